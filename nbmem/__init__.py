@@ -1,0 +1,81 @@
+"""nbmem: how much GPU memory does this notebook cell take, why, and what would fit?
+
+Load it in IPython or Jupyter with ``%load_ext nbmem`` and put ``%%gpumem`` on
+a cell, or use it from Python::
+
+    import nbmem
+    with nbmem.measure() as scope:      # measured on CUDA, tracked on a CPU
+        loss = model(x).sum(); loss.backward()
+    print(scope.result)
+
+``import nbmem`` is light: torch, IPython, ipywidgets and matplotlib are
+imported only when something that needs them runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "measure",
+    "track",
+    "MemoryScope",
+    "MemoryResult",
+    "History",
+    "Tracker",
+    "history",
+    "format_bytes",
+    "parse_bytes",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+# name -> module that defines it; loaded on first use (PEP 562).
+_LAZY = {
+    "measure": "scope",
+    "track": "scope",
+    "MemoryScope": "scope",
+    "MemoryResult": "results",
+    "History": "results",
+    "Tracker": "tracking",
+    "history": "magics",
+    "format_bytes": "units",
+    "parse_bytes": "units",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .magics import history
+    from .results import History, MemoryResult
+    from .scope import MemoryScope, measure, track
+    from .tracking import Tracker
+    from .units import format_bytes, parse_bytes
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbmem' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Called by ``%load_ext nbmem``: registers ``%gpumem`` and ``%%gpumem``."""
+    from .magics import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Called by ``%unload_ext nbmem``: removes every magic and hook nbmem added."""
+    from .magics import unload
+
+    unload(ipython)

@@ -1,0 +1,130 @@
+"""Showing results: an ipywidgets view in notebooks, HTML and text everywhere else.
+
+Every rich output carries a ``text/plain`` fallback with the same facts, so a
+terminal, an nbclient run or a frontend without a widget manager loses nothing.
+Never touches ``torch.cuda``.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from typing import Any
+
+from . import _env
+from .results import History, MemoryResult, report_html
+from .units import format_bytes
+
+__all__ = ["show_result", "show_line", "show_history", "report_widget", "history_figure"]
+
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+def _publish(bundle: dict[str, Any]) -> None:
+    from IPython.display import display
+
+    display(bundle, raw=True)
+
+
+def report_widget(result: MemoryResult) -> Any:
+    """An ipywidgets view of one result: the capacity bar and summary, details folded."""
+    import ipywidgets as widgets
+
+    bar = widgets.HTML(value=report_html(result).split("<table", 1)[0] + "</div>")
+    bar.add_class("nbmem-bar-widget")
+    details = widgets.HTML(value="<pre style='font-size:12px'>" + html.escape(str(result)) + "</pre>")
+    folded = widgets.Accordion(children=[details], titles=("details",), selected_index=None)
+    summary = widgets.HTML(value=f"<span style='font-size:12px'>{html.escape(result.summary())}</span>")
+    view = widgets.VBox([bar, summary, folded])
+    view.add_class("nbmem-report-widget")
+    return view
+
+
+def show_result(result: MemoryResult, *, text: bool = False, shell: Any = None) -> None:
+    """Display one result: a widget where one can render, else HTML and text.
+
+    ``text=True`` shows only the plain-text report.
+    """
+    if text:
+        _publish({"text/plain": str(result)})
+        return
+    bundle = {"text/plain": str(result), "text/html": report_html(result)}
+    if _env.widgets_usable(shell):
+        view = report_widget(result)
+        widget_view = view._repr_mimebundle_()[WIDGET_MIME]
+        bundle = {WIDGET_MIME: widget_view, **bundle}
+    _publish(bundle)
+
+
+def show_line(result: MemoryResult) -> None:
+    """Display the one-line summary ``%gpumem on`` prints after each cell."""
+    line = result.summary()
+    colour = "#b00020" if result.failed else "#555"
+    _publish(
+        {
+            "text/plain": line,
+            "text/html": f"<div class='nbmem-line' style='font-size:12px;color:{colour}'>{html.escape(line)}</div>",
+        }
+    )
+
+
+def history_figure(history: History) -> Any:
+    """A matplotlib Figure of a history: per cell, what was in use before and its peak on top."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    results = list(history)
+    figure = Figure(figsize=(max(5.0, 0.6 * len(results) + 2), 3.4), layout="constrained")
+    axes = figure.add_subplot()
+    labels = [
+        f"[{r.execution_count}] {_short(r.label)}" if r.execution_count is not None else _short(r.label)
+        for r in results
+    ]
+    positions = list(range(len(results)))
+    before = [max(r.allocated_before, 0) for r in results]
+    peaks = [max(r.peak, 0) for r in results]
+    axes.bar(positions, before, color="#8d99ae", label="allocated before the cell")
+    axes.bar(positions, peaks, bottom=before, color="#e76f51", label="cell's peak above that")
+    for position, result in zip(positions, results):
+        if result.failed:
+            axes.annotate("failed", (position, result.peak_allocated), ha="center", va="bottom", color="#b00020")
+    axes.set_xticks(positions, labels, rotation=30, ha="right", fontsize=8)
+    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(int(value))))
+    modes = sorted({f"{r.mode} on {r.device}" for r in results})
+    axes.set_ylabel("allocated")
+    axes.set_title(f"gpumem history: peak allocated per cell ({', '.join(modes) or 'no cells'})", fontsize=10)
+    axes.legend(fontsize=8, loc="upper left")
+    return figure
+
+
+def _short(text: str, width: int = 28) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _figure_png(figure: Any) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    buffer = io.BytesIO()
+    FigureCanvasAgg(figure).print_png(buffer)
+    return buffer.getvalue()
+
+
+def show_history(history: History, *, text: bool = False) -> None:
+    """Display the history table and, when there is something to chart, its bar chart."""
+    if text or not len(history):
+        _publish({"text/plain": str(history)})
+        return
+    _publish({"text/plain": str(history), "text/html": history._repr_html_()})
+    _publish(
+        {
+            "image/png": _figure_png(history_figure(history)),
+            "text/plain": f"<bar chart: peak allocated of {len(history)} measured cells>",
+        }
+    )
+
+
+def show_value(value: Any) -> None:
+    """Display a cell's last value when the magic's own return slot holds the result (``-o``)."""
+    from IPython.display import display
+
+    display(value)

@@ -1,0 +1,308 @@
+"""The ``%gpumem`` / ``%%gpumem`` magics and the every-cell hooks.
+
+A thin shell: parse the arguments, run the cell inside a
+:class:`~nbmem.scope.MemoryScope`, hand the result to :mod:`nbmem.display`
+and to the session's history.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from . import display
+from .results import History, MemoryResult
+from .scope import BACKENDS, MemoryScope, resolve_backend
+
+__all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
+
+ACTIONS = ("on", "off", "history", "reset")
+
+
+@dataclass
+class _EveryCell:
+    """How ``%gpumem on`` measures each cell."""
+
+    backend: str = "auto"
+    device: str | None = None
+    quiet: bool = False
+
+
+@dataclass
+class _Session:
+    """nbmem's state for one IPython shell (kept on the magics instance, never global)."""
+
+    history: History = field(default_factory=History)
+    every_cell: _EveryCell | None = None
+    log_path: str | None = None  # `nbmem profile` appends one JSON line per measured cell
+    pending: MemoryScope | None = None
+    #: The running cell's number as its In[n] shows it; IPython has already
+    #: advanced shell.execution_count when the cell runs.
+    cell_number: int | None = None
+
+    def record(self, result: MemoryResult) -> None:
+        self.history.append(result)
+        if self.log_path:
+            with open(self.log_path, "a", encoding="utf-8") as log:
+                log.write(json.dumps(History([result]).to_records()[0]) + "\n")
+
+
+def _first_line(source: str) -> str:
+    for line in source.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def _is_nbmem_cell(source: str) -> bool:
+    """``%%gpumem`` cells record themselves; ``%gpumem ...`` lines are nbmem's own commands."""
+    return _first_line(source).startswith(("%%gpumem", "%gpumem"))
+
+
+@magics_class
+class GpuMemMagics(Magics):
+    """Holds the session state; registered once per shell by :func:`load`."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.session = _Session()
+
+    @magic_arguments()
+    @argument(
+        "action",
+        nargs="?",
+        help="line form only: on, off, history or reset",
+    )
+    @argument("-o", "--output", action="store_true", help="return the result object (it lands in Out)")
+    @argument("-q", "--quiet", action="store_true", help="show nothing; the result still goes to the history")
+    @argument("--text", action="store_true", help="show the report as plain text, no widget or HTML")
+    @argument("--device", default=None, help="device to measure: cuda:N, cuda or cpu (default: current CUDA device, else cpu)")
+    @argument(
+        "--backend",
+        default="auto",
+        help="auto (CUDA statistics when there is a GPU, else tracked), cuda, or tracked (count tensors, any device)",
+    )
+    @line_cell_magic
+    def gpumem(self, line: str = "", cell: str | None = None) -> Any:
+        """Measure the GPU memory a cell uses: peak, retained, reserved, time, share of the device.
+
+        Usage, on a cell::
+
+          %%gpumem [-o] [-q] [--text] [--device DEVICE] [--backend {auto,cuda,tracked}]
+
+        and as a line::
+
+          %gpumem on [-q] [--device DEVICE] [--backend ...]   measure every following cell
+          %gpumem off                                        stop measuring every cell
+          %gpumem history [-o] [--text]                      table and chart of measured cells
+          %gpumem reset                                      forget the history
+
+        With a CUDA device the figures are *measured* by PyTorch's caching
+        allocator. Without one (or with ``--backend tracked``) the cell still
+        runs and nbmem *tracks* every tensor it makes, reporting the bytes a
+        GPU would allocate for them. Each report says which.
+
+        Figures: ``peak`` is the highest allocated memory while the cell ran,
+        above what was allocated before it; ``retained`` is allocated after
+        minus before; ``reserved`` includes the allocator's cache of freed
+        blocks; ``device`` is the driver's view (with the CUDA context and
+        other processes).
+
+        Examples::
+
+          %%gpumem
+          loss = model(x).sum(); loss.backward(); opt.step()
+
+          %%gpumem -o --backend tracked
+          y = model(x)
+
+          report = _            # the MemoryResult, after -o
+          %gpumem on
+          %gpumem history
+        """
+        __tracebackhide__ = True
+        args = parse_argstring(self.gpumem, line)
+        if args.backend not in BACKENDS:
+            raise UsageError(f"--backend {args.backend!r} is not known: use one of {', '.join(BACKENDS)}")
+        try:
+            resolve_backend(args.backend, args.device)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        if cell is not None:
+            if args.action is not None:
+                raise UsageError(
+                    f"%%gpumem measures the cell below it and takes only options, not {args.action!r}; "
+                    "to turn on measuring every cell write `%gpumem on` as a line of its own"
+                )
+            return self._measure_cell(cell, args)
+        if args.action is None:
+            raise UsageError(
+                "%gpumem needs an action: on, off, history or reset; to measure a cell, put %%gpumem on its first line"
+            )
+        if args.action not in ACTIONS:
+            raise UsageError(f"%gpumem {args.action!r} is not known: use one of {', '.join(ACTIONS)}")
+        return getattr(self, f"_action_{args.action}")(args)
+
+    # -- one cell ---------------------------------------------------------
+
+    def _measure_cell(self, cell: str, args: Any) -> Any:
+        __tracebackhide__ = True
+        shell = self.shell
+        count = self.session.cell_number
+        source = shell.transform_cell(cell)
+        # Cache the source under a cell name so tracebacks show the user's lines.
+        filename = shell.compile.cache(source, count or 0, raw_code=cell)
+        tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
+        body = shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec")
+        namespace = shell.user_ns
+
+        scope = MemoryScope(args.backend, args.device, label=_first_line(cell), execution_count=count)
+        scope.start()
+        try:
+            exec(body, namespace)
+            value = eval(last, namespace) if last is not None else None
+        except BaseException as error:
+            self._report(scope.stop(error), args)
+            raise
+        result = scope.stop()
+        self._report(result, args)
+        if args.output:
+            # The result is the cell's Out and displays there; the cell's own
+            # last value is shown above it instead.
+            if value is not None:
+                display.show_value(value)
+            return result
+        return value
+
+    def _report(self, result: MemoryResult, args: Any) -> None:
+        self.session.record(result)
+        if not (args.quiet or (args.output and not result.failed)):
+            display.show_result(result, text=args.text, shell=self.shell)
+
+    # -- line actions -------------------------------------------------------
+
+    def _action_on(self, args: Any) -> None:
+        self.session.every_cell = _EveryCell(args.backend, args.device, args.quiet)
+        if not args.quiet:
+            mode, device = resolve_backend(args.backend, args.device)
+            print(f"gpumem: every cell from now on is {mode} on {device} (`%gpumem off` stops)")
+
+    def _action_off(self, args: Any) -> None:
+        self.session.every_cell = None
+        if not args.quiet:
+            print("gpumem: stopped measuring every cell; `%gpumem history` shows what was measured")
+
+    def _action_history(self, args: Any) -> History | None:
+        if args.output:
+            return self.session.history
+        if not args.quiet:
+            display.show_history(self.session.history, text=args.text)
+        return None
+
+    def _action_reset(self, args: Any) -> None:
+        self.session.history.clear()
+        if not args.quiet:
+            print("gpumem: history cleared")
+
+    # -- every cell (IPython events) ---------------------------------------
+
+    def pre_run_cell(self, info: Any) -> None:
+        session = self.session
+        if session.pending is not None:  # a previous post_run_cell never came
+            session.pending.stop()
+            session.pending = None
+        stored = getattr(info, "store_history", True)
+        session.cell_number = self.shell.execution_count - 1 if stored else None
+        if session.every_cell is None and session.log_path is None:
+            return
+        raw = getattr(info, "raw_cell", "") or ""
+        if _is_nbmem_cell(raw):
+            return
+        options = session.every_cell or _EveryCell(quiet=True)
+        scope = MemoryScope(options.backend, options.device, label=_first_line(raw), execution_count=session.cell_number)
+        session.pending = scope.start()
+
+    def post_run_cell(self, result: Any) -> None:
+        session = self.session
+        scope, session.pending = session.pending, None
+        session.cell_number = None
+        if scope is None:
+            return
+        error = None
+        if result is not None:
+            error = result.error_in_exec or result.error_before_exec
+        measured = scope.stop(error)
+        if session.every_cell is None and session.log_path is None:
+            return  # this cell ran `%gpumem off`
+        session.record(measured)
+        if session.every_cell is not None and not session.every_cell.quiet:
+            display.show_line(measured)
+
+
+def _registered(shell: Any) -> GpuMemMagics | None:
+    magics = shell.magics_manager.registry.get(GpuMemMagics.__name__)
+    return magics if isinstance(magics, GpuMemMagics) else None
+
+
+def load(shell: Any) -> GpuMemMagics:
+    """Register the magics and the two cell events; loading twice changes nothing."""
+    magics = _registered(shell)
+    if magics is None:
+        magics = GpuMemMagics(shell)
+        shell.register_magics(magics)
+        shell.events.register("pre_run_cell", magics.pre_run_cell)
+        shell.events.register("post_run_cell", magics.post_run_cell)
+    return magics
+
+
+def unload(shell: Any) -> None:
+    """Remove everything :func:`load` added and stop any scope still open."""
+    magics = _registered(shell)
+    if magics is None:
+        return
+    for event, callback in (("pre_run_cell", magics.pre_run_cell), ("post_run_cell", magics.post_run_cell)):
+        try:
+            shell.events.unregister(event, callback)
+        except ValueError:
+            pass
+    if magics.session.pending is not None:
+        magics.session.pending.stop()
+        magics.session.pending = None
+    for kind in ("line", "cell"):
+        if shell.magics_manager.magics[kind].get("gpumem") == getattr(magics, "gpumem"):
+            del shell.magics_manager.magics[kind]["gpumem"]
+    del shell.magics_manager.registry[GpuMemMagics.__name__]
+
+
+def _session(shell: Any = None) -> _Session:
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    magics = _registered(shell) if shell is not None else None
+    if magics is None:
+        raise RuntimeError("nbmem's extension is not loaded here: run `%load_ext nbmem` first")
+    return magics.session
+
+
+def history(shell: Any = None) -> History:
+    """The measured cells of this IPython session (``%gpumem history -o`` returns the same)."""
+    return _session(shell).history
+
+
+def log_every_cell(shell: Any, path: str) -> None:
+    """Measure every cell quietly and append each result to ``path`` as a JSON line.
+
+    Used by ``nbmem profile``; independent of ``%gpumem on``/``off``.
+    """
+    load(shell)
+    _session(shell).log_path = path

@@ -1,0 +1,194 @@
+"""The public context managers: ``nbmem.measure()`` and ``nbmem.track()``.
+
+The magics are thin shells around :class:`MemoryScope`; it works the same in
+plain Python and in pytest::
+
+    with nbmem.measure() as scope:
+        loss = model(x).sum(); loss.backward()
+    print(scope.result.peak)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import torch
+
+from .counters import CudaCounter, OpenScope, cuda_counter
+from .results import MemoryResult
+from .tracking import Tracker, default_tracker
+
+__all__ = ["MemoryScope", "measure", "track", "resolve_backend", "BACKENDS"]
+
+Backend = Literal["auto", "cuda", "tracked"]
+BACKENDS = ("auto", "cuda", "tracked")
+
+
+def resolve_backend(backend: str = "auto", device: str | torch.device | None = None) -> tuple[str, torch.device]:
+    """Decide how to measure: ``("measured", cuda:N)`` or ``("tracked", device)``.
+
+    ``auto`` measures on CUDA when a device is available (or named) and tracks
+    otherwise. Raises ValueError saying how to fix a request that can't work.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    cuda = torch.cuda.is_available()
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"can't read device {str(device)!r}: write e.g. 'cuda:0', 'cuda' or 'cpu'") from error
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"nbmem measures 'cuda' and 'cpu' devices, not {device.type!r}")
+    if device is not None and device.type == "cuda":
+        if not cuda:
+            raise ValueError(
+                f"no CUDA device is available, so {device} can't be measured: "
+                "drop --device (nbmem then tracks on the cpu) or use --backend tracked --device cpu"
+            )
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
+        device = torch.device("cuda", index)
+    if backend == "cuda":
+        if not cuda:
+            raise ValueError("backend 'cuda' needs a CUDA device and none is available: use 'tracked' or 'auto'")
+        if device is not None and device.type != "cuda":
+            raise ValueError(f"backend 'cuda' measures a CUDA device, not {device}: drop --device or name 'cuda:N'")
+        return "measured", device or torch.device("cuda", torch.cuda.current_device())
+    if backend == "tracked":
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return "tracked", device
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return ("measured" if device.type == "cuda" else "tracked"), device
+
+
+class MemoryScope:
+    """Measure the memory of a block of code; the result is in ``.result`` afterwards.
+
+    Use it as a context manager, or call :meth:`start` and :meth:`stop` (as
+    the ``%gpumem on`` hooks do). An exception inside the block propagates
+    unchanged; the result is still made, with ``error`` set to its type.
+
+    >>> with measure(backend="tracked", device="cpu") as scope:
+    ...     kept = torch.zeros(1024, 1024)          # 4 MiB
+    ...     dropped = torch.zeros(1024, 1024); del dropped
+    >>> scope.result.peak >> 20, scope.result.retained >> 20
+    (8, 4)
+    """
+
+    def __init__(
+        self,
+        backend: Backend = "auto",
+        device: str | torch.device | None = None,
+        *,
+        label: str = "",
+        execution_count: int | None = None,
+        tracker: Tracker | None = None,
+    ) -> None:
+        if tracker is not None:
+            backend, device = "tracked", tracker.device
+        self.mode, self.device = resolve_backend(backend, device)
+        self.label = label
+        self.execution_count = execution_count
+        self.result: MemoryResult | None = None
+        self._counter: CudaCounter | Tracker = (
+            cuda_counter(self.device.index)
+            if self.mode == "measured"
+            else (tracker or default_tracker(self.device))
+        )
+        self._scope: OpenScope | None = None
+        self._started = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self._scope is not None
+
+    def start(self) -> "MemoryScope":
+        if self._scope is not None:
+            raise RuntimeError("this MemoryScope is already running: make a new one for each block")
+        counter = self._counter
+        if isinstance(counter, Tracker):
+            counter.activate()
+        try:
+            self._scope = counter.scopes.open()
+        except BaseException:
+            if isinstance(counter, Tracker):
+                counter.deactivate()
+            raise
+        self._started = time.perf_counter()
+        return self
+
+    def stop(self, error: BaseException | type[BaseException] | None = None) -> MemoryResult:
+        """End the scope and build its result; ``error`` marks it failed."""
+        scope, self._scope = self._scope, None
+        if scope is None:
+            raise RuntimeError("this MemoryScope is not running: call start() first")
+        counter = self._counter
+        try:
+            if isinstance(counter, CudaCounter) and error is None:
+                counter.synchronize()  # the wall time includes the GPU work the block queued
+            seconds = time.perf_counter() - self._started
+        finally:
+            counter.scopes.close(scope)
+            if isinstance(counter, Tracker):
+                counter.deactivate()
+        name = capacity = free = None
+        if isinstance(counter, CudaCounter):
+            name, capacity, free = counter.device_view()
+        if error is not None and not isinstance(error, type):
+            error = type(error)
+        self.result = MemoryResult(
+            mode=self.mode,  # type: ignore[arg-type]
+            device=str(self.device),
+            allocated_before=scope.allocated_before,
+            peak_allocated=scope.peak_allocated,
+            allocated_after=counter.allocated(),
+            seconds=seconds,
+            reserved_before=scope.reserved_before,
+            peak_reserved=scope.peak_reserved,
+            reserved_after=counter.reserved(),
+            device_name=name,
+            capacity=capacity,
+            device_free=free,
+            error=None if error is None else error.__name__,
+            label=self.label,
+            execution_count=self.execution_count,
+        )
+        return self.result
+
+    def __enter__(self) -> "MemoryScope":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        self.stop(exc_type)
+
+
+def measure(
+    device: str | torch.device | None = None, *, backend: Backend = "auto", label: str = ""
+) -> MemoryScope:
+    """Measure a block: on CUDA with the allocator's statistics, else tracked.
+
+    >>> with measure() as scope:
+    ...     x = torch.ones(256)       # 256 * 4 bytes = 1 KiB
+    >>> scope.result.retained if scope.result.mode == "tracked" else 1024
+    1024
+    """
+    return MemoryScope(backend, device, label=label)
+
+
+def track(device: str | torch.device | None = None, *, label: str = "") -> MemoryScope:
+    """Track a block: every tensor storage on ``device`` is accounted, CUDA or not.
+
+    >>> with track("cpu") as scope:
+    ...     x = torch.ones(1)         # 4 bytes, rounded to one 512 B block
+    >>> scope.result.retained
+    512
+    """
+    return MemoryScope("tracked", device, label=label)

@@ -1,0 +1,225 @@
+"""The magics in a real IPython shell: what the user sees, and what is left behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from IPython.utils.capture import capture_output
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import nbmem
+from nbmem import display
+from nbmem.results import MemoryResult
+from nbmem.tracking import default_tracker
+
+MiB = 1024**2
+TWO_TENSORS = "a = torch.zeros(1024, 1024)\nb = torch.zeros(1024, 1024)\ndel a\n"
+
+
+def run(shell, source):
+    """Run a cell as a notebook would and return (ExecutionResult, captured output)."""
+    with capture_output() as captured:
+        result = shell.run_cell(source, store_history=True)
+    return result, captured
+
+
+def texts(captured):
+    return [output.data.get("text/plain", "") for output in captured.outputs]
+
+
+def test_cell_report_has_exact_figures_and_says_tracked(shell):
+    shell.run_cell("import torch")
+    result, captured = run(shell, "%%gpumem\n" + TWO_TENSORS)
+    assert result.success
+    (report,) = texts(captured)
+    assert "tracked on cpu, no CUDA device used" in report
+    assert "+8.00 MiB allocated above the start" in report
+    assert "+4.00 MiB allocated" in report and "retained" in report
+    (entry,) = nbmem.history(shell)
+    assert (entry.peak, entry.retained, entry.label) == (8 * MiB, 4 * MiB, "a = torch.zeros(1024, 1024)")
+    assert entry.execution_count == result.execution_count
+    del shell.user_ns["b"]
+
+
+def test_last_expression_still_displays_after_the_report(shell):
+    shell.run_cell("import torch")
+    result, captured = run(shell, "%%gpumem\nx = torch.ones(3)\nx.sum().item() + 4")
+    assert result.result == 7.0
+    assert captured.stdout.strip().endswith("7.0")  # Out[n]: 7.0 after the report
+
+
+def test_output_flag_returns_the_result_object(shell):
+    shell.run_cell("import torch")
+    result, captured = run(shell, "%%gpumem -o\nkept = torch.zeros(256, 1024)")
+    assert isinstance(result.result, MemoryResult)
+    assert shell.user_ns["_"] is result.result
+    assert result.result.retained == MiB
+    assert captured.outputs == []  # the result shows once, as Out
+    assert "retained" in captured.stdout
+
+
+def test_output_flag_still_shows_the_cells_value(shell):
+    result, captured = run(shell, "%%gpumem -o\n41 + 1")
+    assert isinstance(result.result, MemoryResult)
+    assert texts(captured) == ["42"]
+
+
+def test_quiet_shows_nothing_but_records(shell):
+    result, captured = run(shell, "%%gpumem -q\ny = 1")
+    assert captured.outputs == [] and captured.stdout == ""
+    assert len(nbmem.history(shell)) == 1
+
+
+def test_text_flag_publishes_plain_text_only(shell):
+    result, captured = run(shell, "%%gpumem --text\ny = 1")
+    (output,) = captured.outputs
+    assert set(output.data) == {"text/plain"}
+
+
+def test_html_fallback_and_widget_bundle(shell, monkeypatch):
+    shell.run_cell("import torch")
+    result, captured = run(shell, "%%gpumem\nz = torch.zeros(1024)")
+    (output,) = captured.outputs
+    assert set(output.data) == {"text/plain", "text/html"}  # terminal: no widget
+    assert 'class="nbmem-bar"' in output.data["text/html"]
+    monkeypatch.setattr(display._env, "widgets_usable", lambda shell=None: True)
+    result, captured = run(shell, "%%gpumem\nz = torch.zeros(1024)")
+    (output,) = captured.outputs
+    assert set(output.data) == {display.WIDGET_MIME, "text/plain", "text/html"}
+    assert output.data[display.WIDGET_MIME]["model_id"]
+    assert "+4.00 KiB allocated above the start" in output.data["text/plain"]
+
+
+def test_failing_cell_reports_failed_and_propagates_with_user_traceback(shell):
+    shell.run_cell("import torch")
+    result, captured = run(shell, '%%gpumem\nkept = torch.zeros(10)\nraise ValueError("boom")')
+    assert isinstance(result.error_in_exec, ValueError)
+    assert "FAILED with ValueError" in texts(captured)[0]
+    assert 'raise ValueError("boom")' in captured.stdout  # the user's line in the traceback
+    assert "nbmem/magics.py" not in captured.stdout  # nbmem's frames are hidden
+    assert shell.user_ns["kept"].shape == (10,)  # state before the failure is kept
+    assert nbmem.history(shell)[-1].error == "ValueError"
+    assert _get_current_dispatch_mode() is None
+
+
+def test_keyboard_interrupt_leaves_no_mode_or_scope_behind(shell):
+    result, captured = run(shell, "%%gpumem\nraise KeyboardInterrupt")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert _get_current_dispatch_mode() is None
+    tracker = default_tracker("cpu")
+    assert not tracker.active and len(tracker.scopes) == 0
+    assert nbmem.history(shell)[-1].error == "KeyboardInterrupt"
+
+
+@pytest.mark.parametrize("order", ["%%time\n%%gpumem\n", "%%gpumem\n%%time\n"])
+def test_composes_with_time(shell, order):
+    shell.run_cell("import torch")
+    result, captured = run(shell, order + "w = torch.zeros(1024, 1024)\n5")
+    assert result.success and result.result == 5
+    assert "Wall time" in captured.stdout
+    assert nbmem.history(shell)[-1].retained == 4 * MiB
+
+
+def test_every_cell_on_off_history_reset(shell):
+    shell.run_cell("import torch")
+    result, captured = run(shell, "%gpumem on")
+    assert "tracked on cpu" in captured.stdout
+    result, captured = run(shell, "c = torch.zeros(256)")
+    (line,) = texts(captured)
+    assert line == f"gpumem [{result.execution_count}] peak +1.00 KiB allocated · retained +1.00 KiB · " + line.split(" · ")[2] + " · tracked on cpu"
+    result, captured = run(shell, "raise RuntimeError('no')")
+    assert "FAILED (RuntimeError)" in texts(captured)[-1]
+    run(shell, "%gpumem off")
+    result, captured = run(shell, "d = torch.zeros(256)")
+    assert captured.outputs == []
+    history = nbmem.history(shell)
+    assert [entry.label for entry in history] == ["c = torch.zeros(256)", "raise RuntimeError('no')"]
+    result, captured = run(shell, "%gpumem history")
+    kinds = [set(output.data) for output in captured.outputs]
+    assert {"text/plain", "text/html"} in kinds and {"image/png", "text/plain"} in kinds
+    assert "c = torch.zeros(256)" in captured.outputs[0].data["text/plain"]
+    result, captured = run(shell, "%gpumem history -o")
+    assert result.result is history
+    run(shell, "%gpumem reset")
+    assert len(nbmem.history(shell)) == 0
+
+
+def test_every_cell_does_not_double_count_gpumem_cells(shell):
+    run(shell, "%gpumem on -q")
+    run(shell, "%%gpumem -q\nq = 1")
+    run(shell, "r = 2")
+    assert [entry.label for entry in nbmem.history(shell)] == ["q = 1", "r = 2"]
+    run(shell, "%gpumem off -q")
+
+
+def test_nested_cell_inside_every_cell_keeps_both_right(shell):
+    shell.run_cell("import torch, nbmem")
+    run(shell, "%gpumem on -q")
+    # a plain cell that measures a block inside itself
+    result, _ = run(shell, "big = torch.zeros(1024, 1024)\ndel big\nwith nbmem.track('cpu') as inner:\n    small = torch.zeros(1024)")
+    assert result.success
+    run(shell, "%gpumem off -q")
+    outer = nbmem.history(shell)[-1]
+    assert (outer.peak, outer.retained) == (4 * MiB, 4096)
+    assert (shell.user_ns["inner"].result.peak, shell.user_ns["inner"].result.retained) == (4096, 4096)
+
+
+def test_loading_twice_registers_once_and_unload_removes_everything(shell):
+    nbmem.load_ipython_extension(shell)
+    callbacks = shell.events.callbacks
+    pre = [cb for cb in callbacks["pre_run_cell"] if getattr(cb, "__self__", None).__class__.__name__ == "GpuMemMagics"]
+    assert len(pre) == 1
+    nbmem.unload_ipython_extension(shell)
+    for event in ("pre_run_cell", "post_run_cell"):
+        assert not [cb for cb in callbacks[event] if getattr(cb, "__self__", None).__class__.__name__ == "GpuMemMagics"]
+    assert "gpumem" not in shell.magics_manager.magics["line"]
+    assert "gpumem" not in shell.magics_manager.magics["cell"]
+    result, captured = run(shell, "%%gpumem\n1")
+    assert not result.success  # the magic is really gone
+    nbmem.load_ipython_extension(shell)  # the fixture unloads again
+
+
+def test_unload_while_every_cell_is_on_stops_tracking(shell):
+    run(shell, "%gpumem on -q")
+    run(shell, "%unload_ext nbmem")
+    assert _get_current_dispatch_mode() is None
+    run(shell, "%load_ext nbmem")
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("%%gpumem --backend bogus\n1", "use one of auto, cuda, tracked"),
+        ("%%gpumem --nonsense\n1", "unrecognized arguments"),
+        ("%%gpumem on\n1", "takes only options"),
+        ("%gpumem", "needs an action"),
+        ("%gpumem sideways", "use one of on, off, history, reset"),
+        ("%%gpumem --device tpu:0\n1", "device"),
+        ("%%gpumem --device cuda:0\n1", "no CUDA device is available"),
+        ("%%gpumem --backend cuda\n1", "needs a CUDA device"),
+    ],
+)
+def test_bad_options_raise_usage_error_saying_what_is_allowed(shell, line, message):
+    if "cuda" in line and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    result, captured = run(shell, line)
+    assert not result.success
+    assert "UsageError" in captured.stderr + captured.stdout
+    assert message in captured.stderr + captured.stdout
+
+
+def test_help_has_usage_options_and_examples(shell):
+    doc = shell.find_line_magic("gpumem").__doc__
+    for part in ("Usage", "Examples", "--backend", "--device", "-o", "-q", "--text", "%gpumem on", "%gpumem history"):
+        assert part in doc
+
+
+def test_history_needs_the_extension():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    class Bare:
+        magics_manager = type("M", (), {"registry": {}})()
+
+    with pytest.raises(RuntimeError, match="%load_ext nbmem"):
+        nbmem.history(Bare())
+    assert InteractiveShell  # imported for the real shell type used elsewhere

@@ -1,0 +1,189 @@
+"""Tracked mode: every storage accounted to the byte, with CUDA's 512 B rounding."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import nbmem
+from nbmem.tracking import Tracker, default_tracker
+
+MiB = 1024**2
+LINEAR_1024 = 1024 * 1024 * 4 + 1024 * 4  # weight + bias, float32 = 4198400
+
+
+def test_two_tensors_one_deleted_peak_8mib_retains_4mib():
+    with nbmem.track("cpu") as scope:
+        first = torch.randn(1024, 1024)  # 1024 * 1024 * 4 bytes = 4 MiB
+        second = torch.randn(1024, 1024)
+        del first
+    result = scope.result
+    assert (result.peak, result.retained) == (8 * MiB, 4 * MiB)
+    assert (result.mode, result.device) == ("tracked", "cpu")
+    assert result.reserved_after is None and result.peak_reserved is None
+    del second
+
+
+@pytest.mark.parametrize(
+    ("make", "nbytes"),
+    [
+        (lambda: torch.empty(1000), 4096),  # 4000 bytes round up to 8 blocks of 512
+        (lambda: torch.zeros(10, dtype=torch.float64), 512),  # 80 bytes -> one block
+        (lambda: torch.ones(1), 512),
+        (lambda: torch.full((256,), 3.0), 1024),
+        (lambda: torch.arange(128), 1024),  # int64
+        (lambda: torch.randn(3, 512, dtype=torch.bfloat16), 3072),
+        (lambda: torch.tensor([1.0, 2.0, 3.0]), 512),  # built outside the dispatcher, then lift_fresh
+        (lambda: torch.empty(0), 0),  # the allocator allocates nothing for 0 bytes
+    ],
+)
+def test_factory_functions_are_counted_with_cuda_rounding(make, nbytes):
+    with nbmem.track("cpu") as scope:
+        kept = make()
+    assert scope.result.retained == nbytes
+    del kept
+
+
+def test_module_construction_counts_parameters():
+    with nbmem.track("cpu") as scope:
+        layer = torch.nn.Linear(1024, 1024)
+    assert scope.result.retained == LINEAR_1024
+    del layer
+
+
+def test_grads_and_adam_state_exact():
+    layer = torch.nn.Linear(1024, 1024)
+    batch = torch.randn(8, 1024)
+    with nbmem.track("cpu") as backward:
+        layer(batch).sum().backward()
+    # .grad buffers equal the parameters
+    assert backward.result.retained == LINEAR_1024
+    # parameters (4198400) and the batch (8 * 1024 * 4 = 32768) were found in use
+    assert backward.result.allocated_before == LINEAR_1024 + 32768
+    optimizer = torch.optim.Adam(layer.parameters())
+    with nbmem.track("cpu") as step:
+        optimizer.step()
+    # exp_avg and exp_avg_sq per parameter, plus one float32 step counter each (512 B blocks)
+    assert step.result.retained == 2 * LINEAR_1024 + 2 * 512
+    with nbmem.track("cpu") as zero:
+        optimizer.zero_grad()  # set_to_none frees the grads
+    assert zero.result.retained == -LINEAR_1024
+
+
+def test_views_and_inplace_ops_allocate_nothing():
+    base = torch.zeros(1024, 256)
+    with nbmem.track("cpu") as scope:
+        flat = base.view(-1)
+        base.add_(1)
+        flat.mul_(2)
+        base.t()
+    assert (scope.result.peak, scope.result.retained) == (0, 0)
+    assert scope.result.allocated_before == 1024 * 256 * 4
+
+
+def test_tensors_made_before_tracking_are_adopted_into_the_start():
+    before = torch.zeros(256, 256)  # 262144 bytes, made outside any scope
+    with nbmem.track("cpu") as scope:
+        doubled = before * 2
+    result = scope.result
+    assert result.allocated_before == 262144
+    assert (result.peak, result.retained) == (262144, 262144)
+    assert result.peak_allocated == 2 * 262144
+    del doubled
+
+
+def test_freeing_an_adopted_tensor_gives_negative_retained():
+    doomed = torch.zeros(512, 512)  # 1 MiB
+    with nbmem.track("cpu") as scope:
+        doomed.add_(1)
+        del doomed
+    assert scope.result.retained == -MiB
+    assert scope.result.peak == 0
+
+
+def test_out_argument_resize_is_counted():
+    left, right = torch.ones(1024), torch.ones(1024)
+    with nbmem.track("cpu") as scope:
+        out = torch.empty(0)
+        torch.add(left, right, out=out)  # resizes out's storage to 4096 bytes
+    assert scope.result.retained == 4096
+    del out
+
+
+def test_meta_tensors_and_other_devices_are_not_counted():
+    with nbmem.track("cpu") as scope:
+        ghost = torch.empty(1 << 20, device="meta")
+    assert scope.result.retained == 0
+    del ghost
+
+
+def test_nested_scopes_are_each_correct():
+    with nbmem.track("cpu") as outer:
+        big = torch.zeros(1024, 1024)  # 4 MiB
+        del big
+        with nbmem.track("cpu") as inner:
+            small = torch.zeros(256, 1024)  # 1 MiB
+    assert (inner.result.peak, inner.result.retained) == (MiB, MiB)
+    assert (outer.result.peak, outer.result.retained) == (4 * MiB, MiB)
+    del small
+
+
+def test_tracker_holds_no_strong_reference():
+    with nbmem.track("cpu"):
+        tensor = torch.zeros(1000)
+    probe = weakref.ref(tensor)
+    tracker = default_tracker("cpu")
+    live = tracker.allocated()
+    del tensor
+    assert probe() is None  # freed at once, without gc.collect()
+    assert tracker.allocated() == live - 4096
+
+
+def test_dispatch_mode_removed_after_exception_and_interrupt():
+    for error in (ValueError, KeyboardInterrupt):
+        with pytest.raises(error):
+            with nbmem.track("cpu") as scope:
+                torch.zeros(10)
+                raise error()
+        assert _get_current_dispatch_mode() is None
+        assert not default_tracker("cpu").active
+        assert scope.result.error == error.__name__
+
+
+def test_separate_tracker_counts_from_zero():
+    tracker = Tracker("cpu")
+    with tracker:
+        kept = torch.zeros(100)  # 400 bytes -> 512
+    assert (tracker.allocated(), tracker.peak_allocated(), tracker.live_storages) == (512, 512, 1)
+    del kept
+    gc.collect()
+    assert tracker.allocated() == 0
+
+
+def test_tracker_rejects_meta_device():
+    with pytest.raises(ValueError, match="meta tensors hold no memory"):
+        Tracker("meta")
+
+
+def test_deactivate_leaves_a_foreign_mode_above_it_in_place():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Leaky(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    tracker = Tracker("cpu")
+    tracker.activate()
+    leaky = Leaky()
+    leaky.__enter__()  # entered inside the tracked block and never left
+    tracker.deactivate()
+    assert _get_current_dispatch_mode() is leaky
+    with torch.utils._python_dispatch._pop_mode_temporarily() as popped:
+        assert popped is leaky
+        assert _get_current_dispatch_mode() is None  # nbmem's mode is gone from below it
+    leaky.__exit__(None, None, None)
+    assert _get_current_dispatch_mode() is None
