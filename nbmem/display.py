@@ -13,7 +13,6 @@ from typing import Any
 
 from . import _env
 from .results import History, MemoryResult, report_html
-from .units import format_bytes
 
 __all__ = ["show_result", "show_line", "show_history", "report_widget", "history_figure"]
 
@@ -71,7 +70,6 @@ def show_line(result: MemoryResult) -> None:
 def history_figure(history: History) -> Any:
     """A matplotlib Figure of a history: per cell, what was in use before and its peak on top."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter
 
     results = list(history)
     figure = Figure(figsize=(max(5.0, 0.6 * len(results) + 2), 3.4), layout="constrained")
@@ -81,17 +79,20 @@ def history_figure(history: History) -> Any:
         for r in results
     ]
     positions = list(range(len(results)))
-    before = [max(r.allocated_before, 0) for r in results]
-    peaks = [max(r.peak, 0) for r in results]
+    # Plot in one binary unit so the ticks fall on round values (1, 2, 5 MiB...).
+    top = max((r.peak_allocated for r in results), default=0)
+    exponent = max(0, min(4, (max(top, 1).bit_length() - 1) // 10))
+    unit, scale = ("B", "KiB", "MiB", "GiB", "TiB")[exponent], 1024**exponent
+    before = [max(r.allocated_before, 0) / scale for r in results]
+    peaks = [max(r.peak, 0) / scale for r in results]
     axes.bar(positions, before, color="#8d99ae", label="allocated before the cell")
     axes.bar(positions, peaks, bottom=before, color="#e76f51", label="cell's peak above that")
     for position, result in zip(positions, results):
         if result.failed:
-            axes.annotate("failed", (position, result.peak_allocated), ha="center", va="bottom", color="#b00020")
+            axes.annotate("failed", (position, result.peak_allocated / scale), ha="center", va="bottom", color="#b00020")
     axes.set_xticks(positions, labels, rotation=30, ha="right", fontsize=8)
-    axes.yaxis.set_major_formatter(FuncFormatter(lambda value, _: format_bytes(int(value))))
     modes = sorted({f"{r.mode} on {r.device}" for r in results})
-    axes.set_ylabel("allocated")
+    axes.set_ylabel(f"allocated ({unit})")
     axes.set_title(f"gpumem history: peak allocated per cell ({', '.join(modes) or 'no cells'})", fontsize=10)
     axes.legend(fontsize=8, loc="upper left")
     return figure

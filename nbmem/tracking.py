@@ -33,7 +33,11 @@ _FRESH = {torch.ops.aten.lift_fresh.default}
 
 
 class _TrackingMode(TorchDispatchMode):
-    """Reports every op's inputs and outputs to its tracker; changes nothing."""
+    """Reports every op's inputs and outputs to its tracker; changes nothing.
+
+    The per-op path is written flat (no helper calls for plain tensors): it
+    runs for every ATen operation of the user's cell.
+    """
 
     def __init__(self, tracker: "Tracker") -> None:
         super().__init__()
@@ -41,12 +45,28 @@ class _TrackingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         tracker = self.tracker
+        sizes = tracker._sizes
+        on_device = tracker._on_device
         if func not in _FRESH:
-            tracker._adopt_all(args)
+            for value in args:
+                if isinstance(value, _Tensor):
+                    try:
+                        known = value.untyped_storage()._cdata in sizes
+                    except (RuntimeError, NotImplementedError):
+                        continue  # sparse, nested and other layouts without one storage
+                    if not known and on_device(value):
+                        tracker._count(value, adopt=True)
+                elif isinstance(value, (tuple, list)):
+                    tracker._adopt_all(value)
             if kwargs:
                 tracker._adopt_all(kwargs.values())
-        out = func(*args, **(kwargs or {}))
-        tracker._note(out)
+            out = func(*args, **kwargs) if kwargs else func(*args)
+        else:
+            out = func(*args, **(kwargs or {}))
+        if isinstance(out, _Tensor):
+            tracker._count(out, adopt=False)
+        elif isinstance(out, (tuple, list)):
+            tracker._note(out)
         return out
 
 
@@ -83,6 +103,10 @@ class Tracker:
         self._mode: _TrackingMode | None = None
         self._depth = 0
         self.scopes = PeakScopes(self)
+        # PyTorch wraps __torch_dispatch__ so that its first call imports
+        # torch._dynamo (about a second): pay that here, not in a timed cell.
+        with _TrackingMode(self):
+            torch.empty(0)
 
     # -- the peak-counter protocol ----------------------------------------
 

@@ -1,0 +1,104 @@
+"""Measured mode against the CUDA allocator itself. Skipped without a GPU.
+
+These compare nbmem's figures with ``torch.cuda.memory_stats()`` read directly,
+check nesting on the real (single, global) peak counter, and check that
+tracked mode's rounding reproduces the allocator's allocated bytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbmem
+from nbmem.counters import cuda_counter
+
+pytestmark = pytest.mark.cuda
+MiB = 1024**2
+
+
+@pytest.fixture
+def device():
+    torch.cuda.init()
+    torch.cuda.synchronize()
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def test_measured_matches_allocator_statistics(device):
+    with nbmem.measure(device) as scope:
+        first = torch.empty(1024, 1024, device=device)  # 4 MiB
+        second = torch.empty(1024, 1024, device=device)
+        del first
+    stats = torch.cuda.memory_stats(device)
+    result = scope.result
+    assert result.mode == "measured" and result.device == str(device)
+    assert (result.peak, result.retained) == (8 * MiB, 4 * MiB)
+    assert result.allocated_after == stats["allocated_bytes.all.current"]
+    assert result.reserved_after == stats["reserved_bytes.all.current"]
+    assert result.peak_reserved >= result.reserved_before
+    free, total = torch.cuda.mem_get_info(device)
+    assert result.capacity == total and result.device_name == torch.cuda.get_device_name(device)
+    del second
+
+
+def test_nested_scopes_on_the_real_counter(device):
+    with nbmem.measure(device) as outer:
+        big = torch.empty(64 * MiB, dtype=torch.uint8, device=device)
+        del big
+        with nbmem.measure(device) as inner:
+            small = torch.empty(MiB, dtype=torch.uint8, device=device)
+    assert (inner.result.peak, inner.result.retained) == (MiB, MiB)
+    assert (outer.result.peak, outer.result.retained) == (64 * MiB, MiB)
+    # the global counter was reset by the inner scope, yet the outer kept its peak
+    del small
+
+
+def test_a_scope_does_not_initialise_cuda_by_itself():
+    # run in a fresh process: this one has CUDA initialised already
+    import subprocess
+    import sys
+
+    code = "import torch, nbmem\nwith nbmem.measure():\n    x = 1\nprint(torch.cuda.is_initialized())"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip() == "False"
+
+
+@pytest.mark.parametrize("shape", [(1,), (1000,), (257, 3), (1024, 1024)])
+def test_tracked_rounding_equals_allocated_bytes(device, shape):
+    with nbmem.measure(device) as measured:
+        kept = torch.empty(shape, device=device)
+    with nbmem.track(device) as tracked:
+        also = torch.empty(shape, device=device)
+    assert tracked.result.retained == measured.result.retained
+    del kept, also
+
+
+def test_training_step_tracked_vs_measured_peak(device):
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), foreach=False)
+    batch = torch.randn(64, 512, device=device)
+
+    def step():
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()  # optimizer state and cuBLAS workspace exist from here on
+    with nbmem.measure(device) as measured:
+        step()
+    with nbmem.track(device) as tracked:
+        step()
+    assert tracked.result.peak == pytest.approx(measured.result.peak, rel=0.02)
+    assert tracked.result.retained == measured.result.retained
+
+
+def test_magic_reports_measured_in_a_shell(shell, device):
+    from IPython.utils.capture import capture_output
+
+    shell.run_cell("import torch")
+    with capture_output() as captured:
+        shell.run_cell(f"%%gpumem\nx = torch.empty(1024, 1024, device='{device}')", store_history=True)
+    text = captured.outputs[0].data["text/plain"]
+    assert f"measured on {device}" in text and "reserved" in text and "free of" in text
+    assert nbmem.history(shell)[-1].retained == 4 * MiB
+    assert len(cuda_counter(device.index).scopes) == 0
