@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import display
-from .results import History, MemoryResult
+from .results import History, MemoryResult, first_line
 from .scope import BACKENDS, MemoryScope, resolve_backend
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
@@ -41,6 +41,7 @@ class _Session:
     history: History = field(default_factory=History)
     every_cell: _EveryCell | None = None
     log_path: str | None = None  # `nbmem profile` appends one JSON line per measured cell
+    log_options: _EveryCell = field(default_factory=lambda: _EveryCell(quiet=True))
     pending: MemoryScope | None = None
     #: The running cell's number as its In[n] shows it; IPython has already
     #: advanced shell.execution_count when the cell runs.
@@ -53,16 +54,9 @@ class _Session:
                 log.write(json.dumps(History([result]).to_records()[0]) + "\n")
 
 
-def _first_line(source: str) -> str:
-    for line in source.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
 def _is_nbmem_cell(source: str) -> bool:
     """``%%gpumem`` cells record themselves; ``%gpumem ...`` lines are nbmem's own commands."""
-    return _first_line(source).startswith(("%%gpumem", "%gpumem"))
+    return first_line(source).startswith(("%%gpumem", "%gpumem"))
 
 
 @magics_class
@@ -165,7 +159,7 @@ class GpuMemMagics(Magics):
         body = shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec")
         namespace = shell.user_ns
 
-        scope = MemoryScope(args.backend, args.device, label=_first_line(cell), execution_count=count)
+        scope = MemoryScope(args.backend, args.device, label=first_line(cell), execution_count=count)
         scope.start()
         try:
             exec(body, namespace)
@@ -227,8 +221,8 @@ class GpuMemMagics(Magics):
         raw = getattr(info, "raw_cell", "") or ""
         if _is_nbmem_cell(raw):
             return
-        options = session.every_cell or _EveryCell(quiet=True)
-        scope = MemoryScope(options.backend, options.device, label=_first_line(raw), execution_count=session.cell_number)
+        options = session.every_cell or session.log_options
+        scope = MemoryScope(options.backend, options.device, label=first_line(raw), execution_count=session.cell_number)
         session.pending = scope.start()
 
     def post_run_cell(self, result: Any) -> None:
@@ -299,10 +293,15 @@ def history(shell: Any = None) -> History:
     return _session(shell).history
 
 
-def log_every_cell(shell: Any, path: str) -> None:
+def log_every_cell(shell: Any, path: str, backend: str = "auto", device: str | None = None) -> None:
     """Measure every cell quietly and append each result to ``path`` as a JSON line.
 
-    Used by ``nbmem profile``; independent of ``%gpumem on``/``off``.
+    Used by ``nbmem profile``; independent of ``%gpumem on``/``off`` (a cell
+    under ``%gpumem on`` is measured as that asks). Raises ValueError for a
+    backend or device that can't be used here.
     """
+    resolve_backend(backend, device)
     load(shell)
-    _session(shell).log_path = path
+    session = _session(shell)
+    session.log_path = path
+    session.log_options = _EveryCell(backend, device, quiet=True)

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Literal
 
 from .units import format_bytes
 
-__all__ = ["MemoryResult", "History", "MODES"]
+__all__ = ["MemoryResult", "History", "MODES", "first_line"]
 
 Mode = Literal["measured", "tracked"]
 
@@ -323,6 +323,18 @@ class History:
             f"<table class='nbmem-history'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
             f"<p>highest in use: {format_bytes(self.peak)} allocated</p>"
         )
+
+
+def first_line(source: str) -> str:
+    r"""The first non-blank line of a cell, stripped: how nbmem labels a cell.
+
+    >>> first_line("\n  loss.backward()\nopt.step()")
+    'loss.backward()'
+    """
+    for line in source.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
 
 
 def _shorten(text: str, width: int) -> str:

@@ -223,3 +223,21 @@ def test_history_needs_the_extension():
     with pytest.raises(RuntimeError, match="%load_ext nbmem"):
         nbmem.history(Bare())
     assert InteractiveShell  # imported for the real shell type used elsewhere
+
+
+def test_profile_log_keeps_its_backend_whatever_the_notebook_turns_off(shell, tmp_path):
+    from nbmem.magics import log_every_cell
+
+    log = tmp_path / "cells.jsonl"
+    log_every_cell(shell, str(log), backend="tracked")
+    shell.run_cell("import torch")
+    run(shell, "%gpumem on -q")
+    run(shell, "%gpumem off -q")
+    run(shell, "e = torch.zeros(256)")
+    lines = log.read_text().splitlines()
+    assert len(lines) == 2 and '"mode": "tracked"' in lines[-1] and '"retained": 1024' in lines[-1]
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        log_every_cell(shell, str(log), backend="cuda") if not torch.cuda.is_available() else pytest.skip()
+    from nbmem.magics import _session
+
+    _session(shell).log_path = None

@@ -1,0 +1,614 @@
+"""``nbmem profile``: run a notebook headlessly and report every cell's memory.
+
+Usage::
+
+    nbmem profile train.ipynb                        # table of every cell
+    nbmem profile train.ipynb --max-peak 6GiB        # CI: fail when a cell needs more
+    nbmem profile train.ipynb --output ran.ipynb     # keep the executed notebook
+
+The notebook runs cell by cell in a real Jupyter kernel (nbclient), the way
+"Restart & Run All" would, and stops at the first cell that raises. A setup
+cell, which is neither shown nor saved, turns on nbmem's every-cell log in
+that kernel, so the figures are the ones ``%gpumem on`` reports: *measured* by
+the CUDA caching allocator when the kernel has a GPU, *tracked* (bytes a GPU
+would allocate for the same tensors) when it has none.
+
+Exit status: 0 every cell ran (and fit the budget); 1 a cell failed; 2 the
+notebook could not be profiled (bad arguments, no such notebook or kernel,
+nbmem missing in the kernel); 3 a cell went over ``--max-peak``.
+
+The same from Python, without the exit codes::
+
+    from nbmem.cli import profile_notebook
+    profile = profile_notebook("train.ipynb")
+    print(profile)                  # the table
+    profile.peak_allocated          # bytes in use at the highest cell
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+from .results import MemoryResult, first_line
+from .units import format_bytes, parse_bytes
+
+# Keep this module light: `nbmem --help` must not pay for torch, nbclient or a
+# kernel. They are imported where a profile actually runs.
+
+__all__ = [
+    "main",
+    "build_parser",
+    "profile_notebook",
+    "NotebookProfile",
+    "CellProfile",
+    "CellFailure",
+    "ProfileError",
+    "EXIT_OK",
+    "EXIT_CELL_FAILED",
+    "EXIT_USAGE",
+    "EXIT_OVER_BUDGET",
+]
+
+EXIT_OK = 0
+EXIT_CELL_FAILED = 1
+#: argparse also exits with 2 for a malformed command line.
+EXIT_USAGE = 2
+EXIT_OVER_BUDGET = 3
+
+#: Same names as nbmem.scope.BACKENDS, repeated so that parsing the command
+#: line does not import torch (tests/test_cli.py checks that they agree).
+BACKEND_CHOICES = ("auto", "cuda", "tracked")
+
+#: Runs first in the kernel with store_history=False, so the user's cells keep
+#: the execution counts 1, 2, ... that nbmem's log records. `__import__` leaves
+#: no name behind in the user's namespace. The log is independent of the
+#: notebook's own `%gpumem on`/`off`; a backend the kernel can't use raises a
+#: ValueError that says how to fix it.
+_SETUP_CELL = """\
+# Added by `nbmem profile` for this run only; not saved with --output.
+__import__("nbmem.magics").magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r})
+"""
+
+# Kernels colour their tracebacks; a CI log or a pipe wants plain text.
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+_FIRST_LINE_WIDTH = 40
+
+
+class ProfileError(Exception):
+    """The notebook could not be profiled at all; the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class CellFailure:
+    """Why the run stopped at a cell: its exception, a timeout, or a dead kernel."""
+
+    number: int
+    ename: str
+    evalue: str
+    #: Plain text, colours removed; empty when the kernel sent none.
+    traceback: str = ""
+
+    def __str__(self) -> str:
+        reason = f"{self.ename}: {self.evalue}" if self.evalue else self.ename
+        return f"cell [{self.number}] failed: {reason}"
+
+
+@dataclass(frozen=True)
+class CellProfile:
+    """One code cell that ran: its number in the notebook and what nbmem recorded for it.
+
+    ``number`` counts the notebook's code cells from 1, as a reader counts
+    them (markdown cells are not counted, empty code cells are). ``result`` is
+    None for a cell nbmem did not measure: a ``%gpumem ...`` command, or a
+    cell that never finished (timeout, dead kernel).
+
+    >>> cell = CellProfile(number=2, first_line="a = torch.zeros(1024, 1024)", execution_count=2,
+    ...                    result=MemoryResult(mode="tracked", device="cpu", allocated_before=0,
+    ...                                        peak_allocated=4 << 20, allocated_after=4 << 20, seconds=0.5))
+    >>> cell.row()[:5]
+    ('[2]', 'a = torch.zeros(1024, 1024)', '+4.00 MiB', '4.00 MiB', '+4.00 MiB')
+    """
+
+    number: int
+    first_line: str
+    execution_count: int | None
+    result: MemoryResult | None
+    failed: bool = False
+
+    @property
+    def measured(self) -> bool:
+        return self.result is not None
+
+    def row(self) -> tuple[str, str, str, str, str, str, str]:
+        """The cell's table row: cell, first line, peak, in use at peak, retained, time, how."""
+        first_line = self.first_line
+        if len(first_line) > _FIRST_LINE_WIDTH:
+            first_line = first_line[: _FIRST_LINE_WIDTH - 1] + "…"
+        result = self.result
+        if result is None:
+            how = "not measured" + (" · FAILED" if self.failed else "")
+            return (f"[{self.number}]", first_line, "-", "-", "-", "-", how)
+        how = f"{result.mode} on {result.device}"
+        if result.error or self.failed:
+            how += f" · FAILED ({result.error})" if result.error else " · FAILED"
+        return (
+            f"[{self.number}]",
+            first_line,
+            format_bytes(result.peak, signed=True),
+            format_bytes(result.peak_allocated),
+            format_bytes(result.retained, signed=True),
+            f"{result.seconds:.3g} s",
+            how,
+        )
+
+
+@dataclass(frozen=True)
+class NotebookProfile:
+    """What one ``nbmem profile`` run found: a row per code cell that ran.
+
+    ``not_run`` numbers the code cells left unexecuted because an earlier one
+    failed. ``notebook`` is the executed notebook without nbmem's setup cell,
+    ready for ``nbformat.write``.
+
+    >>> def cell(number, peak):
+    ...     result = MemoryResult(mode="tracked", device="cpu", allocated_before=0,
+    ...                           peak_allocated=peak, allocated_after=0, seconds=0.01)
+    ...     return CellProfile(number, f"x{number} = ...", number, result)
+    >>> profile = NotebookProfile("nb.ipynb", "python3", (cell(1, 512), cell(2, 3 << 20)))
+    >>> profile.peak_allocated, profile.peak_cell.number
+    (3145728, 2)
+    >>> [c.number for c in profile.over_budget(1 << 20)]   # 3 MiB > 1 MiB
+    [2]
+    """
+
+    path: str
+    kernel: str
+    cells: tuple[CellProfile, ...]
+    failure: CellFailure | None = None
+    not_run: tuple[int, ...] = ()
+    notebook: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def failed(self) -> bool:
+        return self.failure is not None
+
+    @property
+    def peak_cell(self) -> CellProfile | None:
+        """The measured cell with the most memory in use at its peak (None if none was measured)."""
+        measured = [cell for cell in self.cells if cell.result is not None]
+        return max(measured, key=lambda cell: cell.result.peak_allocated, default=None)  # type: ignore[union-attr]
+
+    @property
+    def peak_allocated(self) -> int | None:
+        """Bytes in use at the highest peak of any measured cell (None if none was measured)."""
+        cell = self.peak_cell
+        return None if cell is None or cell.result is None else cell.result.peak_allocated
+
+    def over_budget(self, budget: int) -> list[CellProfile]:
+        """The measured cells whose in-use peak (``peak_allocated``) exceeds ``budget`` bytes."""
+        return [cell for cell in self.cells if cell.result is not None and cell.result.peak_allocated > budget]
+
+    _HEADER = ("cell", "first line", "peak", "in use at peak", "retained", "time", "how")
+
+    def __str__(self) -> str:
+        lines = [f"nbmem profile: {self.path} (kernel {self.kernel})"]
+        if self.cells:
+            rows = [self._HEADER] + [cell.row() for cell in self.cells]
+            widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADER))]
+            table = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
+            table.insert(1, "  ".join("-" * width for width in widths))
+            lines += table
+        else:
+            lines.append("no code cell ran")
+        if self.not_run:
+            lines.append(f"not run after the failure: {_cell_list(self.not_run)}")
+        peak = self.peak_cell
+        if peak is None or peak.result is None:
+            lines.append("overall peak: no cell was measured")
+        else:
+            lines.append(
+                f"overall peak: {format_bytes(peak.result.peak_allocated)} in use"
+                f" ({peak.result.peak_allocated} bytes) at cell [{peak.number}], {peak.result.mode}"
+                f" on {peak.result.device}"
+            )
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def _cell_list(numbers: Sequence[int]) -> str:
+    return ", ".join(f"[{number}]" for number in numbers)
+
+
+def _result_from_record(record: dict[str, Any]) -> MemoryResult:
+    """Rebuild a MemoryResult from one line of nbmem's log (``History.to_records()``)."""
+    # `peak` and `retained` are derived properties in the record; keys a newer
+    # nbmem in the kernel may add are dropped rather than refused.
+    known = {f.name for f in fields(MemoryResult)}
+    values = {key: value for key, value in record.items() if key in known}
+    values["notes"] = tuple(values.get("notes") or ())
+    return MemoryResult(**values)
+
+
+def _read_log(path: str) -> dict[int, MemoryResult]:
+    """The log's results by execution count; the first one wins if a count repeats."""
+    results: dict[int, MemoryResult] = {}
+    try:
+        with open(path, encoding="utf-8") as log:
+            lines = log.readlines()
+    except FileNotFoundError:  # no cell was measured, so nothing was appended
+        return results
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kernel that died while writing it
+        count = record.get("execution_count")
+        if isinstance(count, int) and count not in results:
+            results[count] = _result_from_record(record)
+    return results
+
+
+def _error_output(cell: Any) -> tuple[str, str, str] | None:
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "error":
+            traceback = _ANSI_ESCAPE.sub("", "\n".join(output.get("traceback", [])))
+            return output.get("ename", "Error"), output.get("evalue", ""), traceback
+    return None
+
+
+def _setup_problem(kernel: str, backend: str, error: Any) -> ProfileError:
+    """Turn a failed setup cell into a message that says how to fix it."""
+    ename, evalue = getattr(error, "ename", type(error).__name__), getattr(error, "evalue", str(error))
+    if ename in ("ModuleNotFoundError", "ImportError"):
+        return ProfileError(
+            f"kernel {kernel!r} can't import nbmem ({ename}: {evalue}): install nbmem into that kernel's "
+            "environment (`python -m pip install nbmem` with the kernel's python), or pick a kernel that "
+            "has it with --kernel NAME (`jupyter kernelspec list` shows them)"
+        )
+    if ename in ("UsageError", "ValueError"):
+        return ProfileError(f"--backend {backend} can't be used in kernel {kernel!r}: {evalue}")
+    return ProfileError(
+        f"could not turn on nbmem's measuring in kernel {kernel!r} ({ename}: {evalue}); "
+        "nbmem profile needs an IPython kernel (ipykernel) with nbmem installed"
+    )
+
+
+def profile_notebook(
+    path: str | os.PathLike[str],
+    *,
+    kernel: str | None = None,
+    timeout: int | None = None,
+    backend: str = "auto",
+) -> NotebookProfile:
+    """Run every code cell of the notebook at ``path`` in a fresh kernel and measure each one.
+
+    Stops at the first cell that raises, times out (``timeout`` seconds per
+    cell) or kills the kernel; the profile then names it in ``failure`` and
+    still holds every cell that ran. Relative paths in the notebook resolve
+    against its own folder. ``kernel`` defaults to the notebook's kernelspec,
+    else ``python3``. Raises :class:`ProfileError` when the notebook can't be
+    profiled at all (no such file or kernel, nbmem missing in the kernel).
+
+    Example::
+
+        profile = profile_notebook("train.ipynb", timeout=600)
+        if profile.failure:
+            print(profile.failure.traceback)
+        print(profile)
+    """
+    import nbformat
+    from jupyter_client.kernelspec import NoSuchKernel
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
+    path = os.fspath(path)
+    if backend not in BACKEND_CHOICES:
+        raise ProfileError(f"backend {backend!r} is not known: use one of {', '.join(BACKEND_CHOICES)}")
+    if not os.path.exists(path):
+        where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()!r})"
+        raise ProfileError(f"no notebook at {path!r}{where}: check the path and the file name")
+    if os.path.isdir(path):
+        raise ProfileError(f"{path!r} is a folder: name one .ipynb file inside it")
+    try:
+        notebook = nbformat.read(path, as_version=4)
+    except Exception as error:  # nbformat raises several unrelated types for a bad file
+        raise ProfileError(
+            f"can't read {path!r} as a Jupyter notebook ({type(error).__name__}: {error}); "
+            "nbmem profile takes an .ipynb file"
+        ) from error
+    kernel_name = kernel or notebook.metadata.get("kernelspec", {}).get("name") or "python3"
+
+    # The user's code cells in order, numbered as a reader counts them.
+    numbered = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    numbers = {id(cell): number for number, cell in enumerate(numbered, start=1)}
+    for cell in numbered:
+        # Stale counts from an earlier run would map to the wrong log lines.
+        cell.execution_count = None
+
+    log_fd, log_path = tempfile.mkstemp(prefix="nbmem-profile-", suffix=".jsonl")
+    os.close(log_fd)
+    setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(log_path=log_path, backend=backend))
+    notebook.cells.insert(0, setup)
+    client = NotebookClient(
+        notebook,
+        kernel_name=kernel_name,
+        timeout=timeout,
+        resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}},
+    )
+
+    ran: list[Any] = []
+    failure: CellFailure | None = None
+    failed_cell: Any = None
+    started = False
+    try:
+        try:
+            with client.setup_kernel():
+                started = True
+                try:
+                    client.execute_cell(setup, 0, store_history=False)
+                except (CellExecutionError, CellTimeoutError, DeadKernelError) as error:
+                    raise _setup_problem(kernel_name, backend, error) from None
+                _record_language_info(client)
+                for index, cell in enumerate(notebook.cells[1:], start=1):
+                    if cell.cell_type != "code":
+                        continue
+                    number = numbers[id(cell)]
+                    try:
+                        client.execute_cell(cell, index)
+                    except CellExecutionError as error:
+                        ename, evalue, traceback = _error_output(cell) or (error.ename, error.evalue, str(error))
+                        failure = CellFailure(number, ename, evalue, traceback)
+                    except CellTimeoutError:
+                        failure = CellFailure(number, "Timeout", f"did not finish within --timeout {timeout} s")
+                        # The kernel is still busy: a graceful shutdown would only wait.
+                        client.shutdown_kernel = "immediate"
+                    except DeadKernelError:
+                        client.shutdown_kernel = "immediate"
+                        failure = CellFailure(
+                            number,
+                            "DeadKernelError",
+                            "the kernel died while running it (out of memory, or a crash in native code?)",
+                        )
+                    if failure is not None:
+                        failed_cell = cell
+                        ran.append(cell)
+                        break
+                    # nbclient skips empty cells and those tagged skip-execution.
+                    if cell.execution_count is not None:
+                        ran.append(cell)
+                if hasattr(client, "set_widgets_metadata"):
+                    client.set_widgets_metadata()
+        except NoSuchKernel:
+            raise ProfileError(f"no Jupyter kernel named {kernel_name!r}: {_known_kernels()}") from None
+        except (RuntimeError, TimeoutError, OSError) as error:
+            if started:
+                raise
+            raise ProfileError(
+                f"kernel {kernel_name!r} did not start ({type(error).__name__}: {error}); "
+                "`jupyter kernelspec list` shows the installed kernels"
+            ) from error
+        results = _read_log(log_path)
+    finally:
+        if os.path.exists(log_path):
+            os.remove(log_path)
+
+    notebook.cells.remove(setup)
+    cells = []
+    for cell in ran:
+        result = results.get(cell.execution_count) if cell.execution_count is not None else None
+        cells.append(
+            CellProfile(
+                number=numbers[id(cell)],
+                # a %%gpumem cell's result is labelled by the first line it measured
+                first_line=result.label if result is not None and result.label else first_line(cell.source),
+                execution_count=cell.execution_count,
+                result=result,
+                failed=cell is failed_cell,
+            )
+        )
+    not_run: tuple[int, ...] = ()
+    if failed_cell is not None:
+        after = numbered[numbered.index(failed_cell) + 1 :]
+        not_run = tuple(numbers[id(cell)] for cell in after if cell.source.strip())
+    return NotebookProfile(path, kernel_name, tuple(cells), failure, not_run, notebook)
+
+
+def _record_language_info(client: Any) -> None:
+    """Store the kernel's language_info in the notebook's metadata, as ``NotebookClient.execute`` does."""
+    reply = client.wait_for_reply(client.kc.kernel_info())
+    if reply is not None and "language_info" in reply["content"]:
+        client.nb.metadata["language_info"] = reply["content"]["language_info"]
+
+
+def _known_kernels() -> str:
+    try:
+        from jupyter_client.kernelspec import KernelSpecManager
+
+        names = sorted(KernelSpecManager().find_kernel_specs())
+    except Exception:  # the list is only a hint in an error message
+        names = []
+    if not names:
+        return "no kernels are installed; `python -m ipykernel install --user` installs one"
+    return f"use one of {', '.join(names)} with --kernel (`jupyter kernelspec list` shows them)"
+
+
+# -- command line -------------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _seconds(text: str) -> int:
+    # nbclient's timeout is whole seconds (an Integer trait).
+    try:
+        seconds = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"can't read {text!r} as seconds: write a whole number, e.g. 600") from None
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"the timeout must be at least 1 second, got {seconds}")
+    return seconds
+
+
+_EPILOG = """\
+exit status:
+  0  every cell ran (and stayed within --max-peak)
+  1  a cell failed (raised, timed out or killed the kernel); the table shows what ran
+  2  the notebook could not be profiled (bad arguments, no such notebook or kernel)
+  3  a cell's in-use peak went over --max-peak
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``nbmem`` command line; ``profile`` is its one subcommand.
+
+    >>> args = build_parser().parse_args(["profile", "train.ipynb", "--max-peak", "2GiB"])
+    >>> args.notebook, args.max_peak, args.backend
+    ('train.ipynb', 2147483648, 'auto')
+    """
+    parser = argparse.ArgumentParser(
+        prog="nbmem",
+        description="How much GPU memory does each notebook cell take? Run a notebook and find out.",
+        epilog="Inside Jupyter, use `%load_ext nbmem` and `%%gpumem` instead. `nbmem profile --help` for details.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    profile = commands.add_parser(
+        "profile",
+        help="run a notebook in a fresh kernel and report each cell's peak memory",
+        # Wrapped by hand: RawDescriptionHelpFormatter keeps the epilog's columns and this text as written.
+        description=(
+            "Run NOTEBOOK cell by cell in a fresh Jupyter kernel, measure every code cell's\n"
+            "memory as `%%gpumem` would, and print a table: cell, first line, peak (above the\n"
+            "cell's start), in use at the peak, retained, time, and how it was measured.\n"
+            "Stops at the first failing cell. Without a GPU in the kernel the figures are\n"
+            "tracked: the bytes a GPU would allocate for the same tensors."
+        ),
+        epilog=_EPILOG
+        + """
+examples:
+  nbmem profile train.ipynb
+  nbmem profile train.ipynb --max-peak 6GiB                  # memory regression check in CI
+  nbmem profile train.ipynb --output ran.ipynb --timeout 600
+""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    profile.add_argument("notebook", metavar="NOTEBOOK", help="the .ipynb file to run")
+    profile.add_argument(
+        "--max-peak",
+        metavar="SIZE",
+        type=_size,
+        default=None,
+        help=(
+            "fail (exit 3) when any cell has more than SIZE in use at its peak, e.g. 2GiB, 512MiB, "
+            "1.5GB or 4096 (bytes); binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB"
+        ),
+    )
+    profile.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE",
+        default=None,
+        help="write the executed notebook to FILE, also when a cell fails",
+    )
+    profile.add_argument(
+        "--kernel", metavar="NAME", default=None, help="kernel to run in (default: the notebook's own, else python3)"
+    )
+    profile.add_argument(
+        "--timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=None,
+        help="fail a cell that runs longer than SECONDS (default: no limit)",
+    )
+    profile.add_argument(
+        "--backend",
+        choices=BACKEND_CHOICES,
+        default="auto",
+        help=(
+            "auto: measure with CUDA statistics when the kernel has a GPU, else track; cuda: require a GPU; "
+            "tracked: count tensors on any device (default: auto). Cells the notebook itself measures "
+            "with %%gpumem or under `%%gpumem on --backend ...` use the backend they ask for."
+        ),
+    )
+    return parser
+
+
+def _error(message: str) -> None:
+    sys.stdout.flush()  # keep the table above the verdict when both go to one terminal
+    print(f"nbmem profile: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``nbmem`` command line and return its exit status (see the module docstring)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        parser.exit(EXIT_USAGE, "\nnbmem: name a command, e.g. `nbmem profile NOTEBOOK.ipynb`\n")
+    if args.output is not None:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        if not os.path.isdir(folder):
+            # Checked before the run, not after minutes of it.
+            _error(f"error: can't write --output {args.output!r}: the folder {folder!r} does not exist")
+            return EXIT_USAGE
+
+    try:
+        profile = profile_notebook(args.notebook, kernel=args.kernel, timeout=args.timeout, backend=args.backend)
+    except ProfileError as error:
+        _error(f"error: {error}")
+        return EXIT_USAGE
+
+    print(profile)
+    status = EXIT_OK
+    if profile.failure is not None:
+        if profile.failure.traceback:
+            _error(f"cell [{profile.failure.number}] raised:\n{profile.failure.traceback}")
+        cell = next(c for c in profile.cells if c.number == profile.failure.number)
+        _error(f"{profile.failure} (first line: {cell.first_line})")
+        status = EXIT_CELL_FAILED
+
+    if args.max_peak is not None:
+        over = profile.over_budget(args.max_peak)
+        budget = f"--max-peak {format_bytes(args.max_peak)} ({args.max_peak} bytes)"
+        for cell in over:
+            assert cell.result is not None
+            _error(
+                f"cell [{cell.number}] is over budget: {format_bytes(cell.result.peak_allocated)} in use at its peak"
+                f" ({cell.result.peak_allocated} bytes) > {budget}; first line: {cell.first_line}"
+            )
+        if over:
+            _error(f"over budget: {_cell_list([cell.number for cell in over])} exceed {budget}")
+            # A failed cell is the bigger problem; its exit status wins.
+            status = status or EXIT_OVER_BUDGET
+        elif profile.peak_cell is None:
+            _error(f"note: no cell was measured, so {budget} checked nothing")
+        elif status == EXIT_OK:
+            print(f"within budget: every measured cell stayed at or below {budget}")
+
+    if args.output is not None:
+        import nbformat
+
+        try:
+            nbformat.write(profile.notebook, args.output)
+        except OSError as error:
+            _error(f"error: can't write --output {args.output!r}: {error}")
+            return status or EXIT_USAGE
+        print(f"executed notebook written to {args.output}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""``nbmem profile``: real notebooks run in real kernels, checked the way a user reads the output.
+
+Every figure is tracked on the CPU, so it is exact:
+``torch.zeros(1024, 1024)`` is 1024 * 1024 * 4 bytes = 4194304 (4.00 MiB) and
+``torch.zeros(256)`` is 256 * 4 bytes = 1024, already a multiple of the 512 B
+block. Each kernel start costs a few seconds, so one test checks several
+things where one run can show them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from nbmem import cli
+
+pytestmark = pytest.mark.slow
+
+FOUR_MIB = 1024 * 1024 * 4  # torch.zeros(1024, 1024), float32
+ONE_KIB = 256 * 4  # torch.zeros(256), float32
+
+
+def write_notebook(path: Path, *sources: str, markdown: str = "# A notebook") -> Path:
+    """A notebook with one markdown cell, then one code cell per source."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_markdown_cell(markdown)]
+    notebook.cells += [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(notebook, path)
+    return path
+
+
+def table_row(out: str, number: int) -> str:
+    """The table line of notebook code cell ``number``."""
+    rows = [line for line in out.splitlines() if line.startswith(f"[{number}] ")]
+    assert len(rows) == 1, f"expected one row for cell [{number}] in:\n{out}"
+    return rows[0]
+
+
+# -- runs a kernel ----------------------------------------------------------------
+
+
+def test_profile_lists_every_cell_writes_output_and_fits_budget(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data.txt").write_text("read next to the notebook\n")
+    notebook = write_notebook(
+        tmp_path / "ok.ipynb",
+        "import torch",
+        "a = torch.zeros(1024, 1024)",
+        "%%gpumem -q\nb = torch.zeros(256)",
+        "",  # empty: nbclient does not run it, so it is numbered but not listed
+        "%gpumem history --text",
+        'print(open("data.txt").read())',
+    )
+    output = tmp_path / "out" / "ran.ipynb"
+    output.parent.mkdir()
+    # Run from elsewhere: relative paths in the notebook resolve against its folder.
+    monkeypatch.chdir(output.parent)
+
+    status = cli.main(["profile", str(notebook), "--max-peak", "1GiB", "--output", str(output)])
+
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_OK, out + err
+    assert "[1] " in out and "import torch" in table_row(out, 1)
+    # cell: peak, in use at peak, retained
+    assert "+4.00 MiB  4.00 MiB        +4.00 MiB" in table_row(out, 2)
+    assert "+1.00 KiB  4.00 MiB        +1.00 KiB" in table_row(out, 3)  # the %%gpumem cell
+    assert "[4] " not in out
+    assert table_row(out, 5).split()[-2:] == ["not", "measured"]  # a %gpumem command
+    assert "tracked on cpu" in table_row(out, 6)
+    # 4194304 + 1024 = 4195328 bytes in use after cell [3]
+    assert f"overall peak: 4.00 MiB in use ({FOUR_MIB + ONE_KIB} bytes) at cell [3]" in out
+    assert "within budget" in out and "1073741824 bytes" in out
+    assert err.count("nbmem profile:") == 0
+
+    ran = nbformat.read(output, as_version=4)
+    original = nbformat.read(notebook, as_version=4)
+    assert [cell.source for cell in ran.cells] == [cell.source for cell in original.cells]
+    code = [cell for cell in ran.cells if cell.cell_type == "code"]
+    assert [cell.execution_count for cell in code] == [1, 2, 3, None, 4, 5]
+    assert code[5].outputs[0]["text"] == "read next to the notebook\n\n"  # the file's newline, then print's
+    # The %%gpumem cell is in the session's history once: it records itself and
+    # the every-cell log leaves it alone.
+    history = code[4].outputs[0]["data"]["text/plain"]
+    assert history.count("b = torch.zeros(256)") == 1
+    assert "log_every_cell" not in output.read_text()
+    assert ran.metadata["language_info"]["name"] == "python"
+
+
+def test_failing_cell_exits_1_names_it_and_still_reports(tmp_path, capsys):
+    notebook = write_notebook(
+        tmp_path / "bad.ipynb",
+        "import torch",
+        "a = torch.zeros(1024, 1024)\nratio = 1 / 0",
+        "b = torch.zeros(256)",
+    )
+    output = tmp_path / "ran.ipynb"
+
+    status = cli.main(["profile", str(notebook), "--output", str(output)])
+
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_CELL_FAILED
+    # The failed cell's figures cover it up to the exception.
+    assert "+4.00 MiB" in table_row(out, 2)
+    assert "FAILED (ZeroDivisionError)" in table_row(out, 2)
+    assert "not run after the failure: [3]" in out
+    assert f"overall peak: 4.00 MiB in use ({FOUR_MIB} bytes) at cell [2]" in out
+    assert "cell [2] failed: ZeroDivisionError: division by zero (first line: a = torch.zeros(1024, 1024))" in err
+    assert "----> 2 ratio = 1 / 0" in err  # the traceback, without terminal colours
+    assert "\x1b[" not in err
+
+    ran = nbformat.read(output, as_version=4)
+    code = [cell for cell in ran.cells if cell.cell_type == "code"]
+    assert len(ran.cells) == 4  # markdown + 3 code cells, no setup cell
+    assert code[1].outputs[0]["output_type"] == "error"
+    assert code[2].execution_count is None
+
+
+def test_max_peak_exceeded_exits_3_naming_the_cell(tmp_path, capsys):
+    notebook = write_notebook(
+        tmp_path / "budget.ipynb",
+        "import torch",
+        "a = torch.zeros(1024, 1024)\ndel a",  # 4 MiB at its peak, nothing kept
+        "b = torch.zeros(256)",
+    )
+
+    status = cli.main(["profile", str(notebook), "--max-peak", "1MiB"])
+
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_OVER_BUDGET
+    assert "+4.00 MiB  4.00 MiB        0 B" in table_row(out, 2)
+    assert "+1.00 KiB  1.00 KiB        +1.00 KiB" in table_row(out, 3)
+    assert (
+        f"cell [2] is over budget: 4.00 MiB in use at its peak ({FOUR_MIB} bytes)"
+        " > --max-peak 1.00 MiB (1048576 bytes); first line: a = torch.zeros(1024, 1024)"
+    ) in err
+    assert "over budget: [2] exceed" in err
+    assert "cell [3]" not in err
+
+
+def test_timeout_fails_the_cell_and_lists_what_ran(tmp_path, capsys):
+    notebook = write_notebook(tmp_path / "slow.ipynb", "x = 1", "import time\ntime.sleep(60)", "y = 2")
+
+    status = cli.main(["profile", str(notebook), "--timeout", "2"])
+
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_CELL_FAILED
+    assert "not measured · FAILED" in table_row(out, 2)  # it never finished, so nbmem logged nothing
+    assert "not run after the failure: [3]" in out
+    assert "cell [2] failed: Timeout: did not finish within --timeout 2 s" in err
+
+
+def test_console_script_runs_as_a_module(tmp_path):
+    notebook = write_notebook(tmp_path / "ok.ipynb", "import torch", "a = torch.zeros(1024, 1024)")
+
+    done = subprocess.run(
+        [sys.executable, "-m", "nbmem.cli", "profile", str(notebook), "--backend", "tracked", "--max-peak", "4MiB"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "+4.00 MiB" in table_row(done.stdout, 2)
+    # 4 MiB is at the budget, not over it
+    assert f"overall peak: 4.00 MiB in use ({FOUR_MIB} bytes) at cell [2], tracked on cpu" in done.stdout
+
+
+def test_backend_cuda_without_a_gpu_is_a_usage_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device, so --backend cuda is valid here")
+    notebook = write_notebook(tmp_path / "ok.ipynb", "x = 1")
+    output = tmp_path / "ran.ipynb"
+
+    status = cli.main(["profile", str(notebook), "--backend", "cuda", "--output", str(output)])
+
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_USAGE
+    assert "--backend cuda can't be used in kernel 'python3'" in err
+    assert "needs a CUDA device" in err
+    assert not output.exists()
+
+
+# -- no kernel ------------------------------------------------------------------
+
+
+def test_bad_arguments_and_paths_exit_2_with_a_fix(tmp_path, capsys):
+    notebook = write_notebook(tmp_path / "ok.ipynb", "x = 1")
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["profile", str(notebook), "--max-peak", "lots"])
+    assert exited.value.code == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "--max-peak" in err and "can't read 'lots' as a size" in err and "'16GiB'" in err and "KB/MB/GB/TB" in err
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["profile", str(notebook), "--timeout", "soon"])
+    assert exited.value.code == cli.EXIT_USAGE
+    assert "write a whole number" in capsys.readouterr().err
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main([])
+    assert exited.value.code == cli.EXIT_USAGE
+    assert "nbmem profile NOTEBOOK.ipynb" in capsys.readouterr().err
+
+    missing = tmp_path / "nope.ipynb"
+    assert cli.main(["profile", str(missing)]) == cli.EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert f"error: no notebook at {str(missing)!r}: check the path and the file name" in err
+
+    assert cli.main(["profile", str(notebook), "--output", str(tmp_path / "no" / "such" / "x.ipynb")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    (tmp_path / "broken.ipynb").write_text("{not json")
+    assert cli.main(["profile", str(tmp_path / "broken.ipynb")]) == cli.EXIT_USAGE
+    assert "as a Jupyter notebook" in capsys.readouterr().err
+
+    # An unknown kernel is refused before anything is launched.
+    assert cli.main(["profile", str(notebook), "--kernel", "no-such-kernel"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "no Jupyter kernel named 'no-such-kernel'" in err and "python3" in err
+
+
+def test_help_explains_the_command(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--help"])
+    assert exited.value.code == 0
+    assert "profile" in capsys.readouterr().out
+
+    with pytest.raises(SystemExit):
+        cli.main(["profile", "--help"])
+    text = capsys.readouterr().out
+    for phrase in ("--max-peak SIZE", "--output FILE", "--kernel NAME", "--timeout SECONDS", "{auto,cuda,tracked}"):
+        assert phrase in text
+    assert "exit status" in text and "3  a cell's in-use peak went over --max-peak" in text
+
+
+def test_backend_choices_match_the_scope():
+    from nbmem.scope import BACKENDS
+
+    assert cli.BACKEND_CHOICES == BACKENDS
+
+
+def test_import_is_light():
+    # `nbmem --help` must not wait for torch or the Jupyter stack.
+    code = "import sys, nbmem.cli; print(sorted({'torch', 'nbclient', 'nbformat', 'IPython'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
