@@ -540,7 +540,7 @@ examples:
         help=(
             "auto: measure with CUDA statistics when the kernel has a GPU, else track; cuda: require a GPU; "
             "tracked: count tensors on any device (default: auto). Cells the notebook itself measures "
-            "with %%gpumem or under `%%gpumem on --backend ...` use the backend they ask for."
+            "with %%%%gpumem or under `%%gpumem on --backend ...` use the backend they ask for."
         ),
     )
     return parser
