@@ -33,10 +33,10 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .results import MemoryResult, first_line
+from .results import CELL_COLUMNS, MemoryResult, cell_figures, first_line, shorten, text_table
 from .units import format_bytes, parse_bytes
 
 # Keep this module light: `nbmem --help` must not pay for torch, nbclient or a
@@ -127,27 +127,17 @@ class CellProfile:
     def measured(self) -> bool:
         return self.result is not None
 
-    def row(self) -> tuple[str, str, str, str, str, str, str]:
+    def row(self) -> tuple[str, ...]:
         """The cell's table row: cell, first line, peak, in use at peak, retained, time, how."""
-        first_line = self.first_line
-        if len(first_line) > _FIRST_LINE_WIDTH:
-            first_line = first_line[: _FIRST_LINE_WIDTH - 1] + "…"
+        first_line = shorten(self.first_line, _FIRST_LINE_WIDTH)
         result = self.result
         if result is None:
             how = "not measured" + (" · FAILED" if self.failed else "")
             return (f"[{self.number}]", first_line, "-", "-", "-", "-", how)
-        how = f"{result.mode} on {result.device}"
-        if result.error or self.failed:
-            how += f" · FAILED ({result.error})" if result.error else " · FAILED"
-        return (
-            f"[{self.number}]",
-            first_line,
-            format_bytes(result.peak, signed=True),
-            format_bytes(result.peak_allocated),
-            format_bytes(result.retained, signed=True),
-            f"{result.seconds:.3g} s",
-            how,
-        )
+        *figures, how = cell_figures(result)
+        if self.failed and not result.error:
+            how += " · FAILED"
+        return (f"[{self.number}]", first_line, *figures, how)
 
 
 @dataclass(frozen=True)
@@ -196,16 +186,10 @@ class NotebookProfile:
         """The measured cells whose in-use peak (``peak_allocated``) exceeds ``budget`` bytes."""
         return [cell for cell in self.cells if cell.result is not None and cell.result.peak_allocated > budget]
 
-    _HEADER = ("cell", "first line", "peak", "in use at peak", "retained", "time", "how")
-
     def __str__(self) -> str:
         lines = [f"nbmem profile: {self.path} (kernel {self.kernel})"]
         if self.cells:
-            rows = [self._HEADER] + [cell.row() for cell in self.cells]
-            widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADER))]
-            table = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
-            table.insert(1, "  ".join("-" * width for width in widths))
-            lines += table
+            lines += text_table(CELL_COLUMNS, [cell.row() for cell in self.cells])
         else:
             lines.append("no code cell ran")
         if self.not_run:
@@ -229,16 +213,6 @@ def _cell_list(numbers: Sequence[int]) -> str:
     return ", ".join(f"[{number}]" for number in numbers)
 
 
-def _result_from_record(record: dict[str, Any]) -> MemoryResult:
-    """Rebuild a MemoryResult from one line of nbmem's log (``History.to_records()``)."""
-    # `peak` and `retained` are derived properties in the record; keys a newer
-    # nbmem in the kernel may add are dropped rather than refused.
-    known = {f.name for f in fields(MemoryResult)}
-    values = {key: value for key, value in record.items() if key in known}
-    values["notes"] = tuple(values.get("notes") or ())
-    return MemoryResult(**values)
-
-
 def _read_log(path: str) -> dict[int, MemoryResult]:
     """The log's results by execution count; the first one wins if a count repeats."""
     results: dict[int, MemoryResult] = {}
@@ -254,7 +228,7 @@ def _read_log(path: str) -> dict[int, MemoryResult]:
             continue  # a line cut short by a kernel that died while writing it
         count = record.get("execution_count")
         if isinstance(count, int) and count not in results:
-            results[count] = _result_from_record(record)
+            results[count] = MemoryResult.from_record(record)
     return results
 
 

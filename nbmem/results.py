@@ -8,12 +8,12 @@ themselves as text and HTML; charts and widgets live in :mod:`nbmem.display`.
 from __future__ import annotations
 
 import html
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator, Literal
 
 from .units import format_bytes
 
-__all__ = ["MemoryResult", "History", "MODES", "first_line"]
+__all__ = ["MemoryResult", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
 
 Mode = Literal["measured", "tracked"]
 
@@ -61,6 +61,23 @@ class MemoryResult:
     label: str = ""
     execution_count: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "MemoryResult":
+        """Rebuild a result from one of :meth:`History.to_records`'s dicts.
+
+        ``peak`` and ``retained`` are derived in the record; keys a newer nbmem
+        may add are dropped rather than refused.
+
+        >>> r = MemoryResult(mode="tracked", device="cpu", allocated_before=0,
+        ...                  peak_allocated=1024, allocated_after=512, seconds=0.1, notes=("a",))
+        >>> MemoryResult.from_record(History([r]).to_records()[0]) == r
+        True
+        """
+        known = {item.name for item in fields(cls)}
+        values = {key: value for key, value in record.items() if key in known}
+        values["notes"] = tuple(values.get("notes") or ())
+        return cls(**values)
 
     @property
     def peak(self) -> int:
@@ -284,27 +301,14 @@ class History:
 
     def _table_rows(self) -> list[tuple[str, ...]]:
         return [
-            (
-                "" if r.execution_count is None else str(r.execution_count),
-                _shorten(r.label, 40),
-                format_bytes(r.peak, signed=True),
-                format_bytes(r.peak_allocated),
-                format_bytes(r.retained, signed=True),
-                f"{r.seconds:.3g} s",
-                f"{r.mode} on {r.device}" + (f" · FAILED ({r.error})" if r.error else ""),
-            )
+            ("" if r.execution_count is None else str(r.execution_count), shorten(r.label, 40), *cell_figures(r))
             for r in self._results
         ]
-
-    _HEADER = ("cell", "first line", "peak", "in use at peak", "retained", "time", "how")
 
     def __str__(self) -> str:
         if not self._results:
             return "gpumem history: no cells measured yet (use %%gpumem or %gpumem on)"
-        rows = [self._HEADER] + self._table_rows()
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADER))]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-        lines.insert(1, "  ".join("-" * width for width in widths))
+        lines = text_table(CELL_COLUMNS, self._table_rows())
         lines.append(f"highest in use: {format_bytes(self.peak)} allocated")
         return "gpumem history\n" + "\n".join(lines)
 
@@ -314,7 +318,7 @@ class History:
     def _repr_html_(self) -> str:
         if not self._results:
             return f"<p>{html.escape(str(self))}</p>"
-        head = "".join(f"<th style='text-align:left'>{name}</th>" for name in self._HEADER)
+        head = "".join(f"<th style='text-align:left'>{name}</th>" for name in CELL_COLUMNS)
         body = "".join(
             "<tr>" + "".join(f"<td style='text-align:left'>{html.escape(cell)}</td>" for cell in row) + "</tr>"
             for row in self._table_rows()
@@ -323,6 +327,31 @@ class History:
             f"<table class='nbmem-history'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
             f"<p>highest in use: {format_bytes(self.peak)} allocated</p>"
         )
+
+
+#: The columns of every per-cell table: ``%gpumem history`` and ``nbmem profile``.
+CELL_COLUMNS = ("cell", "first line", "peak", "in use at peak", "retained", "time", "how")
+
+
+def cell_figures(result: MemoryResult) -> tuple[str, str, str, str, str]:
+    """A result's columns of a per-cell table: peak, in use at peak, retained, time, how."""
+    how = f"{result.mode} on {result.device}" + (f" · FAILED ({result.error})" if result.error else "")
+    return (
+        format_bytes(result.peak, signed=True),
+        format_bytes(result.peak_allocated),
+        format_bytes(result.retained, signed=True),
+        f"{result.seconds:.3g} s",
+        how,
+    )
+
+
+def text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns two spaces apart, a dashed rule under the header."""
+    rows = [header, *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return lines
 
 
 def first_line(source: str) -> str:
@@ -337,5 +366,6 @@ def first_line(source: str) -> str:
     return ""
 
 
-def _shorten(text: str, width: int) -> str:
+def shorten(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, the last one an ellipsis when cut."""
     return text if len(text) <= width else text[: width - 1] + "…"
