@@ -53,7 +53,7 @@ class _TrackingMode(TorchDispatchMode):
                     try:
                         known = value.untyped_storage()._cdata in sizes
                     except (RuntimeError, NotImplementedError):
-                        continue  # sparse, nested and other layouts without one storage
+                        known = False  # sparse: _count looks at its parts
                     if not known and on_device(value):
                         tracker._count(value, adopt=True)
                 elif isinstance(value, (tuple, list)):
@@ -185,7 +185,11 @@ class Tracker:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return  # sparse, nested and other layouts without one storage
+            # A sparse tensor has no storage of its own: its memory is that of
+            # its index and value tensors. Nested tensors are not counted.
+            for part in _sparse_parts(tensor):
+                self._count(part, adopt)
+            return
         key = storage._cdata
         known = self._sizes.get(key)
         if known is not None:
@@ -218,6 +222,18 @@ class Tracker:
         if self._refs.get(key) is ref:
             del self._refs[key]
             self._allocated -= self._sizes.pop(key)
+
+
+def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The dense tensors that hold a sparse tensor's memory (none for other layouts)."""
+    layout = tensor.layout
+    if layout is torch.sparse_coo:
+        return (tensor._indices(), tensor._values())
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    return ()
 
 
 def _remove_mode(mode: TorchDispatchMode) -> None:

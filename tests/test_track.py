@@ -187,3 +187,26 @@ def test_deactivate_leaves_a_foreign_mode_above_it_in_place():
         assert _get_current_dispatch_mode() is None  # nbmem's mode is gone from below it
     leaky.__exit__(None, None, None)
     assert _get_current_dispatch_mode() is None
+
+
+def test_sparse_coo_counts_its_index_and_value_tensors():
+    dense = torch.zeros(100, 100)
+    dense[::2, ::5] = 1.0  # 50 rows x 20 columns = 1000 non-zeros
+    with nbmem.track("cpu") as scope:
+        sparse = dense.to_sparse()
+    # indices: 2 x 1000 int64 = 16000 B -> 16384; values: 1000 float32 = 4000 B -> 4096
+    assert scope.result.retained == 16384 + 4096
+    del sparse
+
+
+def test_sparse_csr_parts_made_earlier_are_adopted():
+    crow = torch.arange(0, 1001, 10)  # 101 int64 = 808 B -> 1024
+    col = torch.arange(1000) % 100  # 1000 int64 = 8000 B -> 8192
+    values = torch.ones(1000)  # 1000 float32 = 4000 B -> 4096
+    with nbmem.track("cpu") as scope:
+        csr = torch.sparse_csr_tensor(crow, col, values, size=(100, 100))
+        product = csr @ torch.ones(100, 4)  # 100 x 4 float32 = 1600 B -> 2048
+    assert scope.result.allocated_before == 1024 + 8192 + 4096
+    # the ones(100, 4) input (2048) and the product (2048) are alive together; only the product stays
+    assert (scope.result.peak, scope.result.retained) == (2048 + 2048, 2048)
+    del csr, product
