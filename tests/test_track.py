@@ -204,7 +204,7 @@ def test_sparse_csr_parts_made_earlier_are_adopted():
     col = torch.arange(1000) % 100  # 1000 int64 = 8000 B -> 8192
     values = torch.ones(1000)  # 1000 float32 = 4000 B -> 4096
     with nbmem.track("cpu") as scope:
-        csr = torch.sparse_csr_tensor(crow, col, values, size=(100, 100))
+        csr = torch.sparse_csr_tensor(crow, col, values, size=(100, 100), check_invariants=True)
         product = csr @ torch.ones(100, 4)  # 100 x 4 float32 = 1600 B -> 2048
     assert scope.result.allocated_before == 1024 + 8192 + 4096
     # the ones(100, 4) input (2048) and the product (2048) are alive together; only the product stays
