@@ -33,11 +33,7 @@ _FRESH = {torch.ops.aten.lift_fresh.default}
 
 
 class _TrackingMode(TorchDispatchMode):
-    """Reports every op's inputs and outputs to its tracker; changes nothing.
-
-    The per-op path is written flat (no helper calls for plain tensors): it
-    runs for every ATen operation of the user's cell.
-    """
+    """Reports every op's inputs and outputs to its tracker; changes nothing."""
 
     def __init__(self, tracker: "Tracker") -> None:
         super().__init__()
@@ -45,28 +41,12 @@ class _TrackingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         tracker = self.tracker
-        sizes = tracker._sizes
-        on_device = tracker._on_device
         if func not in _FRESH:
-            for value in args:
-                if isinstance(value, _Tensor):
-                    try:
-                        known = value.untyped_storage()._cdata in sizes
-                    except (RuntimeError, NotImplementedError):
-                        known = False  # sparse: _count looks at its parts
-                    if not known and on_device(value):
-                        tracker._count(value, adopt=True)
-                elif isinstance(value, (tuple, list)):
-                    tracker._adopt_all(value)
+            tracker._adopt_all(args)
             if kwargs:
                 tracker._adopt_all(kwargs.values())
-            out = func(*args, **kwargs) if kwargs else func(*args)
-        else:
-            out = func(*args, **(kwargs or {}))
-        if isinstance(out, _Tensor):
-            tracker._count(out, adopt=False)
-        elif isinstance(out, (tuple, list)):
-            tracker._note(out)
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        tracker._note(out)
         return out
 
 
@@ -173,9 +153,17 @@ class Tracker:
                 self._note(item)
 
     def _adopt_all(self, values: Any) -> None:
+        # Runs for every input of every op: most inputs are already known, so
+        # that check comes first and costs no further call.
+        sizes = self._sizes
         for value in values:
             if isinstance(value, _Tensor):
-                self._count(value, adopt=True)
+                try:
+                    known = value.untyped_storage()._cdata in sizes
+                except (RuntimeError, NotImplementedError):
+                    known = False  # sparse: _count looks at its parts
+                if not known:
+                    self._count(value, adopt=True)
             elif isinstance(value, (tuple, list)):
                 self._adopt_all(value)
 
