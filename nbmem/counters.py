@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 __all__ = ["PeakCounter", "PeakScopes", "OpenScope", "CudaCounter", "cuda_counter"]
 
@@ -38,6 +38,8 @@ class OpenScope:
     peak_allocated: int
     peak_reserved: int | None
     closed: bool = False
+    #: What the counter says about its peak (the tracker's PeakDetail), if anything.
+    peak_detail: Any = None
 
 
 class PeakScopes:
@@ -67,7 +69,12 @@ class PeakScopes:
     def _fold(self) -> None:
         peak_allocated = self.counter.peak_allocated()
         peak_reserved = self.counter.peak_reserved()
+        detail = getattr(self.counter, "peak_detail", None)
         for scope in self._open:
+            if detail is not None and (
+                peak_allocated > scope.peak_allocated or (peak_allocated == scope.peak_allocated and scope.peak_detail is None)
+            ):
+                scope.peak_detail = detail()
             scope.peak_allocated = max(scope.peak_allocated, peak_allocated)
             if peak_reserved is not None:
                 scope.peak_reserved = max(scope.peak_reserved or 0, peak_reserved)

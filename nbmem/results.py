@@ -13,9 +13,60 @@ from typing import Any, Iterator, Literal
 
 from .units import format_bytes
 
-__all__ = ["MemoryResult", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
+__all__ = ["MemoryResult", "Breakdown", "CATEGORIES", "CATEGORY_MEANING", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
 
 Mode = Literal["measured", "tracked"]
+
+#: What a byte of tracked memory is for, most specific first. A storage moves
+#: only towards the front of this list: a parameter saved for backward stays a
+#: parameter, a tensor autograd saves becomes an activation.
+CATEGORIES = ("parameter", "buffer", "optimizer state", "gradient", "activation", "other")
+
+#: One line on each category, for reports and the README.
+CATEGORY_MEANING = {
+    "parameter": "the model's weights (nn.Parameter)",
+    "buffer": "module buffers, e.g. BatchNorm running statistics",
+    "optimizer state": "what the optimizer keeps per parameter (Adam: two tensors the size of each parameter)",
+    "gradient": "the parameters' .grad",
+    "activation": "tensors autograd saved for backward",
+    "other": "temporaries, inputs, outputs and anything else",
+}
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """What the memory was for: by category and by top-level module, at the peak and after.
+
+    ``at_peak`` sums to the result's ``peak_allocated``; ``after`` to its
+    ``allocated_after``. Tracked: exact for the tensors nbmem saw.
+    """
+
+    at_peak: tuple[tuple[str, int], ...]
+    after: tuple[tuple[str, int], ...]
+    modules_at_peak: tuple[tuple[str, int], ...]
+    op: str | None = None
+    module: str | None = None
+
+    def category(self, name: str) -> int:
+        """Bytes of category ``name`` at the peak."""
+        if name not in CATEGORIES:
+            raise ValueError(f"unknown category {name!r}: use one of {', '.join(CATEGORIES)}")
+        return dict(self.at_peak)[name]
+
+    def rows(self) -> list[tuple[str, str]]:
+        after = dict(self.after)
+        rows = [
+            (name, f"{format_bytes(size)} at the peak, {format_bytes(after.get(name, 0))} after")
+            for name, size in self.at_peak
+            if size or after.get(name, 0)
+        ]
+        where = f"{self.op}" + (f" in {self.module}" if self.module else "")
+        if where != "None":
+            rows.append(("peak at", where))
+        modules = ", ".join(f"{name} {format_bytes(size)}" for name, size in self.modules_at_peak if size)
+        if modules:
+            rows.append(("by module", modules))
+        return rows
 
 #: What each mode means, in the words every report uses.
 MODES: dict[str, str] = {
@@ -61,6 +112,8 @@ class MemoryResult:
     label: str = ""
     execution_count: int | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    #: What the memory was for (tracked mode, or measured with a tracker alongside).
+    breakdown: Breakdown | None = None
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "MemoryResult":
@@ -77,6 +130,11 @@ class MemoryResult:
         known = {item.name for item in fields(cls)}
         values = {key: value for key, value in record.items() if key in known}
         values["notes"] = tuple(values.get("notes") or ())
+        if values.get("breakdown"):
+            values["breakdown"] = Breakdown(
+                **{key: tuple(tuple(pair) for pair in value) if isinstance(value, list) else value
+                   for key, value in values["breakdown"].items()}
+            )
         return cls(**values)
 
     @property

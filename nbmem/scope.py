@@ -16,7 +16,8 @@ from typing import Any, Literal
 import torch
 
 from .counters import CudaCounter, OpenScope, cuda_counter
-from .results import MemoryResult
+from .results import CATEGORIES, Breakdown, MemoryResult
+from .units import format_bytes
 from .tracking import Tracker, default_tracker
 
 __all__ = ["MemoryScope", "measure", "track", "resolve_backend", "BACKENDS"]
@@ -91,6 +92,8 @@ class MemoryScope:
         label: str = "",
         execution_count: int | None = None,
         tracker: Tracker | None = None,
+        breakdown: bool = False,
+        capacity: int | str | None = None,
     ) -> None:
         if tracker is not None:
             backend, device = "tracked", tracker.device
@@ -98,30 +101,58 @@ class MemoryScope:
         self.label = label
         self.execution_count = execution_count
         self.result: MemoryResult | None = None
+        self.capacity: int | None = None
+        self.capacity_label = ""
+        if capacity is not None:
+            from .devices import parse_capacity
+
+            self.capacity, self.capacity_label = parse_capacity(capacity)
         self._counter: CudaCounter | Tracker = (
             cuda_counter(self.device.index)
             if self.mode == "measured"
             else (tracker or default_tracker(self.device))
         )
+        # The tracker that explains the figures (categories, modules, virtual
+        # capacity): the counter itself in tracked mode; in measured mode one
+        # runs alongside only when asked for, as it slows every op.
+        self._tracker: Tracker | None = (
+            self._counter
+            if isinstance(self._counter, Tracker)
+            else (default_tracker(self.device) if breakdown or capacity is not None else None)
+        )
         self._scope: OpenScope | None = None
+        self._tracker_scope: OpenScope | None = None
+        self._saved_capacity: tuple[int | None, str] = (None, "")
         self._started = 0.0
 
     @property
     def running(self) -> bool:
         return self._scope is not None
 
+    @property
+    def tracker(self) -> Tracker | None:
+        """The tracker behind this scope's breakdown (None in measured mode unless asked for)."""
+        return self._tracker
+
     def start(self) -> "MemoryScope":
         if self._scope is not None:
             raise RuntimeError("this MemoryScope is already running: make a new one for each block")
-        counter = self._counter
-        if isinstance(counter, Tracker):
-            counter.activate()
+        tracker = self._tracker
+        if tracker is not None:
+            tracker.activate()
         try:
-            self._scope = counter.scopes.open()
+            if tracker is not None and tracker is not self._counter:
+                self._tracker_scope = tracker.scopes.open()
+            self._scope = self._counter.scopes.open()
+            if tracker is not None and self._tracker_scope is None:
+                self._tracker_scope = self._scope
         except BaseException:
-            if isinstance(counter, Tracker):
-                counter.deactivate()
+            if tracker is not None:
+                tracker.deactivate()
             raise
+        if tracker is not None and self.capacity is not None:
+            self._saved_capacity = (tracker.capacity, tracker.capacity_label)
+            tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
         self._started = time.perf_counter()
         return self
 
@@ -130,20 +161,34 @@ class MemoryScope:
         scope, self._scope = self._scope, None
         if scope is None:
             raise RuntimeError("this MemoryScope is not running: call start() first")
-        counter = self._counter
+        counter, tracker = self._counter, self._tracker
+        tracker_scope, self._tracker_scope = self._tracker_scope, None
         try:
             if isinstance(counter, CudaCounter) and error is None:
                 counter.synchronize()  # the wall time includes the GPU work the block queued
             seconds = time.perf_counter() - self._started
         finally:
             counter.scopes.close(scope)
-            if isinstance(counter, Tracker):
-                counter.deactivate()
+            if tracker is not None:
+                if tracker_scope is not None and tracker_scope is not scope:
+                    tracker.scopes.close(tracker_scope)
+                if self.capacity is not None:
+                    tracker.capacity, tracker.capacity_label = self._saved_capacity
+                tracker.deactivate()
         name = capacity = free = None
+        notes: list[str] = []
         if isinstance(counter, CudaCounter):
             name, capacity, free = counter.device_view()
+        if self.capacity is not None:
+            label = self.capacity_label or format_bytes(self.capacity)
+            name, capacity = f"virtual {label}", self.capacity
+            free = max(self.capacity - counter.allocated(), 0)
+            notes.append(f"virtual capacity {label} = {format_bytes(self.capacity)}: an allocation beyond it raises torch.OutOfMemoryError")
         if error is not None and not isinstance(error, type):
             error = type(error)
+        breakdown = _breakdown(tracker_scope, tracker) if tracker is not None and tracker_scope is not None else None
+        if breakdown is not None and self.mode == "measured":
+            notes.append("breakdown tracked alongside the measurement (tensors on the device, 512 B rounding)")
         self.result = MemoryResult(
             mode=self.mode,  # type: ignore[arg-type]
             device=str(self.device),
@@ -160,6 +205,8 @@ class MemoryScope:
             error=None if error is None else error.__name__,
             label=self.label,
             execution_count=self.execution_count,
+            notes=tuple(notes),
+            breakdown=breakdown,
         )
         return self.result
 
@@ -170,25 +217,64 @@ class MemoryScope:
         self.stop(exc_type)
 
 
+def _breakdown(scope: OpenScope, tracker: Tracker) -> Breakdown | None:
+    detail = scope.peak_detail
+    if detail is None:
+        return None
+    modules = sorted(
+        ((name or "(outside modules)", size) for name, size in detail.modules.items() if size),
+        key=lambda item: -item[1],
+    )
+    return Breakdown(
+        at_peak=tuple((name, detail.categories.get(name, 0)) for name in CATEGORIES),
+        after=tuple(tracker.by_category().items()),
+        modules_at_peak=tuple(modules),
+        op=op_name(detail.op),
+        module=detail.module,
+    )
+
+
+def op_name(op: Any) -> str | None:
+    """``aten.addmm.default`` -> ``aten.addmm``: the op as a user would look it up."""
+    if op is None:
+        return None
+    name = str(op)
+    return name[: -len(".default")] if name.endswith(".default") else name
+
+
 def measure(
-    device: str | torch.device | None = None, *, backend: Backend = "auto", label: str = ""
+    device: str | torch.device | None = None,
+    *,
+    backend: Backend = "auto",
+    label: str = "",
+    breakdown: bool = False,
+    capacity: int | str | None = None,
 ) -> MemoryScope:
     """Measure a block: on CUDA with the allocator's statistics, else tracked.
+
+    ``breakdown=True`` also runs the tracker on a CUDA device, so the result
+    says what the memory was for (tracked mode always does). ``capacity``
+    (``"16GiB"``, ``"T4"``...) makes a virtual device: an allocation beyond it
+    raises ``torch.OutOfMemoryError`` as CUDA would.
 
     >>> with measure() as scope:
     ...     x = torch.ones(256)       # 256 * 4 bytes = 1 KiB
     >>> scope.result.retained if scope.result.mode == "tracked" else 1024
     1024
     """
-    return MemoryScope(backend, device, label=label)
+    return MemoryScope(backend, device, label=label, breakdown=breakdown, capacity=capacity)
 
 
-def track(device: str | torch.device | None = None, *, label: str = "") -> MemoryScope:
+def track(
+    device: str | torch.device | None = None, *, label: str = "", capacity: int | str | None = None
+) -> MemoryScope:
     """Track a block: every tensor storage on ``device`` is accounted, CUDA or not.
 
     >>> with track("cpu") as scope:
     ...     x = torch.ones(1)         # 4 bytes, rounded to one 512 B block
     >>> scope.result.retained
     512
+    >>> scope.result.breakdown.after[-1]     # ('other', 512): not a parameter, gradient, ...
+    ('other', 512)
     """
-    return MemoryScope("tracked", device, label=label)
+    return MemoryScope("tracked", device, label=label, capacity=capacity)

@@ -15,16 +15,19 @@ input: they count as already allocated when the scope began ("adopted").
 from __future__ import annotations
 
 import functools
+import heapq
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
 
 from .counters import PeakScopes
-from .units import CUDA_BLOCK, round_allocation
+from .results import CATEGORIES
+from .units import CUDA_BLOCK, round_allocation, torch_format_size
 
-__all__ = ["Tracker", "default_tracker"]
+__all__ = ["Tracker", "default_tracker", "CATEGORIES", "StorageRecord", "PeakDetail", "Recording", "VirtualOOM"]
 
 _Tensor = torch.Tensor
 # torch.tensor(data) builds its tensor outside the dispatcher and then hands it
@@ -41,6 +44,11 @@ class _TrackingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         tracker = self.tracker
+        tracker._op_index += 1
+        tracker._op = func
+        if tracker._recordings:
+            for recording in tracker._recordings:
+                recording.ops.append(func)
         if func not in _FRESH:
             tracker._adopt_all(args)
             if kwargs:
@@ -50,19 +58,62 @@ class _TrackingMode(TorchDispatchMode):
         return out
 
 
+_RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
+
+
+class StorageRecord:
+    """What the tracker knows of one live (or, in a recording, past) storage."""
+
+    __slots__ = ("size", "category", "module", "born", "died", "op", "shape", "dtype")
+
+    def __init__(self, size: int, born: int, op: Any, module: str | None, shape: tuple, dtype: Any) -> None:
+        self.size = size
+        self.category = "other"
+        self.module = module
+        self.born = born  # op index; -1 for storages made before tracking saw them
+        self.died: int | None = None
+        self.op = op
+        self.shape = shape
+        self.dtype = dtype
+
+
+class PeakDetail:
+    """Live bytes by category and by top-level module at the moment of a peak."""
+
+    __slots__ = ("op_index", "op", "module", "categories", "modules")
+
+    def __init__(self, op_index: int, op: Any, module: str | None, categories: dict, modules: dict) -> None:
+        self.op_index = op_index
+        self.op = op
+        self.module = module
+        self.categories = categories
+        self.modules = modules
+
+
+class Recording:
+    """Every storage alive during a stretch of ops, for a timeline of the stretch."""
+
+    def __init__(self, start: int, alive: list[StorageRecord]) -> None:
+        self.start = start
+        self.storages = alive
+        self.ops: list[Any] = []
+
+
 class Tracker:
     """Live bytes of the tensor storages on one device, with a running peak.
 
     A tracker is a peak counter (see :mod:`nbmem.counters`): scopes opened on
     ``tracker.scopes`` nest correctly. :meth:`activate` installs the dispatch
-    mode (re-entrantly); storages it saw stay accounted between activations
-    until they are freed.
+    mode and the attribution hooks (re-entrantly); storages it saw stay
+    accounted between activations until they are freed. Each storage has a
+    category (:data:`CATEGORIES`) and the top-level module that made or owns
+    it; the categories always sum to :meth:`allocated`.
 
     >>> tracker = Tracker("cpu")
     >>> with tracker:
     ...     a = torch.ones(1024, 1024)     # 1024 * 1024 * 4 bytes = 4 MiB
-    >>> tracker.allocated()
-    4194304
+    >>> tracker.allocated(), tracker.by_category()["other"]
+    (4194304, 4194304)
     >>> del a; tracker.allocated()
     0
     """
@@ -74,13 +125,29 @@ class Tracker:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.block = block
+        #: Bytes a virtual device holds: an allocation beyond it raises
+        #: torch.OutOfMemoryError as CUDA would. None: no limit.
+        self.capacity: int | None = None
+        self.capacity_label = ""
+        #: What the last virtual out-of-memory error saw (see VirtualOOM).
+        self.last_oom: VirtualOOM | None = None
         self._on_device = _device_test(self.device)
-        self._sizes: dict[int, int] = {}
+        self._storages: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
+        self._categories = dict.fromkeys(CATEGORIES, 0)
+        self._modules: dict[str | None, int] = {}
         self._allocated = 0
         self._peak = 0
+        # The breakdown at the running peak. Taken lazily: while nothing has been
+        # freed or reclassified since the peak, the live counters *are* the peak.
+        self._peak_detail: PeakDetail | None = None
+        self._peak_op: tuple[int, Any, str | None] = (0, None, None)
         self._adopted = 0
+        self._op_index = 0
+        self._op: Any = None
+        self._recordings: list[Recording] = []
         self._mode: _TrackingMode | None = None
+        self._attribution: Any = None
         self._depth = 0
         self.scopes = PeakScopes(self)
         # PyTorch wraps __torch_dispatch__ so that its first call imports
@@ -104,6 +171,21 @@ class Tracker:
 
     def reset_peak(self) -> None:
         self._peak = self._allocated
+        self._peak_detail = None
+        self._peak_op = (self._op_index, self._op, self.current_module())
+
+    def peak_detail(self) -> PeakDetail:
+        """Categories and modules at the running peak; they sum to :meth:`peak_allocated`."""
+        self._settle_peak()
+        return self._peak_detail  # type: ignore[return-value]
+
+    def _settle_peak(self) -> None:
+        """Take the peak's breakdown now if live memory is still at the peak (before it changes)."""
+        if self._peak_detail is None:
+            index, op, module = self._peak_op
+            self._peak_detail = PeakDetail(index, op, module, dict(self._categories), dict(self._modules))
+
+    # -- what is live now ---------------------------------------------------
 
     @property
     def adopted(self) -> int:
@@ -112,7 +194,31 @@ class Tracker:
 
     @property
     def live_storages(self) -> int:
-        return len(self._sizes)
+        return len(self._storages)
+
+    def by_category(self) -> dict[str, int]:
+        """Live bytes per category now; the values sum to :meth:`allocated`."""
+        return dict(self._categories)
+
+    def by_module(self) -> dict[str | None, int]:
+        """Live bytes per top-level module now (None: made outside any module)."""
+        return {module: size for module, size in self._modules.items() if size}
+
+    def largest(self, count: int = 10) -> list[tuple[int, StorageRecord]]:
+        """The ``count`` largest live storages, as (storage key, record)."""
+        return heapq.nlargest(count, self._storages.items(), key=lambda item: item[1].size)
+
+    def storage_key(self, tensor: torch.Tensor) -> int | None:
+        """The key under which ``tensor``'s storage is tracked, None if it is not."""
+        try:
+            key = tensor.untyped_storage()._cdata
+        except (RuntimeError, NotImplementedError):
+            return None
+        return key if key in self._storages else None
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        key = self.storage_key(tensor)
+        return None if key is None else self._storages[key]
 
     # -- activation ---------------------------------------------------------
 
@@ -121,20 +227,32 @@ class Tracker:
         return self._depth > 0
 
     def activate(self) -> None:
-        """Install the dispatch mode on this thread (nested calls just count)."""
+        """Install the dispatch mode and attribution hooks on this thread (nested calls just count)."""
         if self._depth == 0:
+            from .categories import Attribution
+
+            self._attribution = Attribution(self)
+            self._attribution.install()
             self._mode = _TrackingMode(self)
-            self._mode.__enter__()
+            try:
+                self._mode.__enter__()
+            except BaseException:
+                self._attribution.remove()
+                raise
         self._depth += 1
 
     def deactivate(self) -> None:
-        """Undo one :meth:`activate`; the last one removes the dispatch mode."""
+        """Undo one :meth:`activate`; the last one removes the dispatch mode and every hook."""
         if self._depth == 0:
             return
         self._depth -= 1
         if self._depth == 0 and self._mode is not None:
             mode, self._mode = self._mode, None
-            _remove_mode(mode)
+            attribution, self._attribution = self._attribution, None
+            try:
+                _remove_mode(mode)
+            finally:
+                attribution.remove()
 
     def __enter__(self) -> "Tracker":
         self.activate()
@@ -142,6 +260,59 @@ class Tracker:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.deactivate()
+
+    def current_module(self) -> str | None:
+        """The top-level module running now (forward or backward), None outside modules."""
+        return self._attribution.current_module() if self._attribution is not None else None
+
+    # -- recordings (timelines) --------------------------------------------
+
+    def start_recording(self) -> Recording:
+        recording = Recording(self._op_index, list(self._storages.values()))
+        self._recordings.append(recording)
+        return recording
+
+    def stop_recording(self, recording: Recording) -> Recording:
+        if recording in self._recordings:
+            self._recordings.remove(recording)
+        return recording
+
+    # -- categories ----------------------------------------------------------
+
+    def classify(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None:
+        """Say what ``tensor``'s storage is for (and which module owns it).
+
+        A storage only moves to a more specific category (:data:`CATEGORIES`).
+        Tensors made before tracking saw them are adopted first. Bytes that were
+        alive at the running peak move in the peak's breakdown too, so the peak
+        is described by what each storage turned out to be.
+        """
+        if not self._on_device(tensor):
+            return
+        key = self.storage_key(tensor)
+        if key is None:
+            self._count(tensor, adopt=True)
+            key = self.storage_key(tensor)
+            if key is None:
+                return
+        record = self._storages[key]
+        self._settle_peak()
+        detail = self._peak_detail
+        at_peak = detail is not None and record.born <= detail.op_index
+        if _RANK[category] < _RANK[record.category]:
+            self._categories[record.category] -= record.size
+            self._categories[category] += record.size
+            if at_peak:
+                detail.categories[record.category] -= record.size
+                detail.categories[category] += record.size
+            record.category = category
+        if module is not None and module != record.module:
+            self._modules[record.module] -= record.size
+            self._modules[module] = self._modules.get(module, 0) + record.size
+            if at_peak:
+                detail.modules[record.module] = detail.modules.get(record.module, 0) - record.size
+                detail.modules[module] = detail.modules.get(module, 0) + record.size
+            record.module = module
 
     # -- the accounting (hot path: keep it lean) ----------------------------
 
@@ -155,11 +326,11 @@ class Tracker:
     def _adopt_all(self, values: Any) -> None:
         # Runs for every input of every op: most inputs are already known, so
         # that check comes first and costs no further call.
-        sizes = self._sizes
+        storages = self._storages
         for value in values:
             if isinstance(value, _Tensor):
                 try:
-                    known = value.untyped_storage()._cdata in sizes
+                    known = value.untyped_storage()._cdata in storages
                 except (RuntimeError, NotImplementedError):
                     known = False  # sparse: _count looks at its parts
                 if not known:
@@ -179,37 +350,101 @@ class Tracker:
                 self._count(part, adopt)
             return
         key = storage._cdata
-        known = self._sizes.get(key)
-        if known is not None:
+        record = self._storages.get(key)
+        if record is not None:
             if adopt:
                 return
             size = round_allocation(storage.nbytes(), self.block)
-            if size == known:
+            if size == record.size:
                 return
             # resized in place (out= arguments, resize_, set_): count the change
-            self._sizes[key] = size
-            self._grow(size - known)
+            if size > record.size:
+                self._check_capacity(size - record.size)
+            elif self._allocated == self._peak:
+                self._settle_peak()
+            self._categories[record.category] += size - record.size
+            self._modules[record.module] += size - record.size
+            growth, record.size = size - record.size, size
+            self._grow(growth, record.module)
             return
         size = round_allocation(storage.nbytes(), self.block)
-        self._sizes[key] = size
+        if not adopt:
+            self._check_capacity(size)
+        module = self.current_module() if self._attribution is not None else None
+        record = StorageRecord(size, -1 if adopt else self._op_index, None if adopt else self._op, module,
+                               tuple(tensor.shape), tensor.dtype)
+        self._storages[key] = record
         self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
+        self._categories["other"] += size
+        self._modules[module] = self._modules.get(module, 0) + size
+        for recording in self._recordings:
+            recording.storages.append(record)
         if adopt:
             self._allocated += size
             self._peak += size
             self._adopted += size
             self.scopes.adopt(size)
+            if self._peak_detail is not None:
+                self._peak_detail.categories["other"] += size
+                self._peak_detail.modules[module] = self._peak_detail.modules.get(module, 0) + size
         else:
-            self._grow(size)
+            self._grow(size, module)
 
-    def _grow(self, size: int) -> None:
+    def _grow(self, size: int, module: str | None) -> None:
         self._allocated += size
         if self._allocated > self._peak:
             self._peak = self._allocated
+            self._peak_detail = None
+            self._peak_op = (self._op_index, self._op, module)
 
     def _free(self, key: int, ref: weakref.ref) -> None:
         if self._refs.get(key) is ref:
+            if self._allocated == self._peak:
+                self._settle_peak()
             del self._refs[key]
-            self._allocated -= self._sizes.pop(key)
+            record = self._storages.pop(key)
+            record.died = self._op_index
+            self._allocated -= record.size
+            self._categories[record.category] -= record.size
+            self._modules[record.module] -= record.size
+
+    def _check_capacity(self, size: int) -> None:
+        if self.capacity is not None and self._allocated + size > self.capacity:
+            self.last_oom = VirtualOOM(
+                request=size,
+                allocated=self._allocated,
+                capacity=self.capacity,
+                label=self.capacity_label,
+                device=str(self.device),
+                op=self._op,
+                module=self.current_module(),
+            )
+            raise torch.OutOfMemoryError(self.last_oom.message())
+
+
+@dataclass(frozen=True)
+class VirtualOOM:
+    """An allocation that did not fit a virtual device's capacity."""
+
+    request: int
+    allocated: int
+    capacity: int
+    label: str
+    device: str
+    op: Any = None
+    module: str | None = None
+
+    def message(self) -> str:
+        """The error text, in PyTorch's own format (c10/cuda/CUDACachingAllocator.cpp), then nbmem's note."""
+        free = max(self.capacity - self.allocated, 0)
+        name = f" ({self.label})" if self.label else ""
+        return (
+            f"CUDA out of memory. Tried to allocate {torch_format_size(self.request)}. GPU 0 has a total capacity of "
+            f"{torch_format_size(self.capacity)} of which {torch_format_size(free)} is free. Of the allocated memory "
+            f"{torch_format_size(self.allocated)} is allocated by PyTorch. "
+            f"[nbmem: virtual device{name}, tracked on {self.device}; no CUDA memory was used. "
+            f"The op was {self.op}{' in ' + self.module if self.module else ''}.]"
+        )
 
 
 def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import re
 
-__all__ = ["format_bytes", "parse_bytes", "round_allocation", "CUDA_BLOCK"]
+__all__ = ["format_bytes", "parse_bytes", "round_allocation", "torch_format_size", "CUDA_BLOCK"]
 
 #: The CUDA caching allocator rounds every request up to a multiple of 512 bytes
 #: (kMinBlockSize in c10/cuda/CUDACachingAllocator.cpp); a zero-byte request
@@ -73,6 +73,23 @@ def format_bytes(nbytes: int | float | None, *, signed: bool = False) -> str:
         return f"{sign}{int(size)} B"
     digits = 2 if size < 10 else (1 if size < 100 else 0)
     return f"{sign}{size:.{digits}f} {_BINARY[exponent]}"
+
+
+def torch_format_size(nbytes: int) -> str:
+    """A size as PyTorch's out-of-memory message writes it (format_size in CUDACachingAllocator.cpp).
+
+    Used only to reproduce that message; every other figure uses :func:`format_bytes`.
+
+    >>> torch_format_size(20 * 1024**2), torch_format_size(512)
+    ('20.00 MiB', '512 bytes')
+    """
+    if nbytes <= 1024:
+        return f"{nbytes} bytes"
+    if nbytes <= 1048576:
+        return f"{nbytes / 1024:.2f} KiB"
+    if nbytes <= 1073741824:
+        return f"{nbytes / 1048576:.2f} MiB"
+    return f"{nbytes / 1073741824:.2f} GiB"
 
 
 def parse_bytes(text: str | int) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+
 import pytest
 import torch
 
@@ -25,9 +27,15 @@ def shell():
 
     start_ipython()  # creates the test shell once per process; later calls return None
     ip = InteractiveShell.instance()
+    # Doctests run through Python's own displayhook, which sets builtins._; while
+    # it exists IPython's displayhook leaves the user's `_` alone.
+    builtins.__dict__.pop("_", None)
     nbmem.load_ipython_extension(ip)
     names = set(ip.user_ns)
     yield ip
     nbmem.unload_ipython_extension(ip)
+    # IPython's own _, __, _N, _iN stay: deleting them makes the displayhook
+    # think the user took those names over, and it stops updating them.
     for name in set(ip.user_ns) - names:
-        del ip.user_ns[name]
+        if not name.startswith("_"):
+            del ip.user_ns[name]

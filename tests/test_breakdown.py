@@ -1,0 +1,168 @@
+"""Breakdown by category and module, and the virtual capacity: exact bytes on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+
+import nbmem
+from nbmem.results import CATEGORIES
+from nbmem.scope import MemoryScope
+from nbmem.tracking import Tracker
+
+MiB = 1024**2
+# Linear(1024, 1024): 1024*1024*4 + 1024*4 = 4198400; Linear(1024, 10): 40960 + 40 -> 512
+MLP_PARAMETERS = 4198400 + 40960 + 512  # = 4239872
+
+
+def fresh(**options) -> MemoryScope:
+    """A scope on a tracker of its own, so absolute figures start from zero."""
+    return MemoryScope(tracker=Tracker("cpu"), **options)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def test_mlp_with_adam_parameters_gradients_and_state_exact():
+    model = mlp()
+    optimizer = torch.optim.Adam(model.parameters())
+    batch = torch.randn(64, 1024)
+    with fresh() as scope:
+        model(batch).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    result = scope.result
+    at_peak = dict(result.breakdown.at_peak)
+    assert at_peak["parameter"] == MLP_PARAMETERS
+    assert at_peak["gradient"] == MLP_PARAMETERS
+    # exp_avg and exp_avg_sq per parameter + one float32 step counter each (4 x 512 B)
+    assert at_peak["optimizer state"] == 2 * MLP_PARAMETERS + 4 * 512
+    assert sum(at_peak.values()) == result.peak_allocated
+    after = dict(result.breakdown.after)
+    assert (after["gradient"], after["optimizer state"]) == (0, 2 * MLP_PARAMETERS + 4 * 512)
+    assert sum(after.values()) == result.allocated_after
+    assert result.breakdown.category("parameter") == MLP_PARAMETERS
+
+
+def test_activations_are_what_autograd_saves():
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU())
+    batch = torch.randn(64, 1024)  # 64 * 1024 * 4 = 262144
+    with fresh() as scope:
+        output = model(batch)
+    after = dict(scope.result.breakdown.after)
+    # addmm saves its input (the batch), relu saves its output; the Linear's
+    # output is not saved and is freed
+    assert after["activation"] == 2 * 262144
+    assert after["parameter"] == 4198400 and after["other"] == 0
+    assert scope.result.breakdown.op == "aten.relu" and scope.result.breakdown.module == "Sequential.1"
+    del output
+
+
+def test_buffers_and_modules():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    with fresh() as scope:
+        model(torch.randn(2, 3, 8, 8))
+    breakdown = scope.result.breakdown
+    # running_mean, running_var (8 float32 each) and num_batches_tracked (one int64): 3 blocks
+    assert dict(breakdown.after)["buffer"] == 3 * 512
+    modules = dict(breakdown.modules_at_peak)
+    assert set(modules) >= {"Sequential.0", "Sequential.1"}
+    assert sum(modules.values()) == scope.result.peak_allocated
+
+
+def test_parameters_made_inside_the_scope_are_parameters():
+    with fresh() as scope:
+        layer = nn.Linear(1024, 1024)
+    assert dict(scope.result.breakdown.after)["parameter"] == 4198400
+    del layer
+
+
+class InvariantCheck(TorchDispatchMode):
+    """After every op, the categories must add up to the tracker's total."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.checked = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        assert sum(self.tracker.by_category().values()) == self.tracker.allocated()
+        assert sum(self.tracker.by_module().values()) == self.tracker.allocated()
+        self.checked += 1
+        return out
+
+
+def test_categories_sum_to_the_total_after_every_op():
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    tracker = Tracker("cpu")
+    with MemoryScope(tracker=tracker):
+        check = InvariantCheck(tracker)
+        with check:  # above the tracker's mode: sees each op after the tracker counted it
+            for _ in range(2):
+                model(torch.randn(8, 1024)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    assert check.checked > 100
+
+
+def test_no_hook_or_mode_left_behind_even_after_an_error():
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_module
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError):
+        with fresh():
+            model(torch.randn(2, 1024)).sum().backward()
+            optimizer.step()
+            raise ValueError("the cell fails")
+    assert _get_current_dispatch_mode() is None
+    assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
+    assert not nn_module._global_parameter_registration_hooks and not nn_module._global_buffer_registration_hooks
+    assert not optim_module._global_optimizer_pre_hooks and not optim_module._global_optimizer_post_hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_virtual_capacity_raises_out_of_memory_in_pytorchs_words():
+    tracker = Tracker("cpu")
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        with MemoryScope(tracker=tracker, capacity="8MiB") as scope:
+            first = torch.zeros(1024, 1024)  # 4 MiB
+            second = torch.zeros(1024, 1024)  # 8 MiB in use: exactly full, still fits
+            third = torch.zeros(1024, 1024)  # noqa: F841  # one more 4 MiB does not
+    message = str(caught.value)
+    assert message.startswith(
+        "CUDA out of memory. Tried to allocate 4.00 MiB. GPU 0 has a total capacity of 8.00 MiB of which 0 bytes is free."
+    )
+    assert "virtual device (8MiB), tracked on cpu" in message and "aten.zeros" in message
+    result = scope.result
+    assert result.error == "OutOfMemoryError"
+    assert (result.capacity, result.device_name) == (8 * MiB, "virtual 8MiB")
+    assert result.peak_allocated == 8 * MiB  # the refused allocation was never counted
+    assert tracker.capacity is None  # restored after the scope
+    assert (tracker.last_oom.request, tracker.last_oom.allocated) == (4 * MiB, 8 * MiB)
+    del first, second
+
+
+def test_capacity_presets_and_bad_capacities():
+    with nbmem.track("cpu", capacity="T4") as scope:
+        small = torch.zeros(10)
+    assert scope.result.capacity == 15843721216 and scope.result.device_name == "virtual T4"
+    assert scope.result.device_free == 15843721216 - scope.result.allocated_after
+    del small
+    for bad in ("lots", "T5000", "-1GiB"):
+        with pytest.raises(ValueError, match="16GiB"):
+            nbmem.track("cpu", capacity=bad)
+    with pytest.raises(ValueError, match="more than 0 bytes"):
+        nbmem.track("cpu", capacity=0)
+
+
+def test_breakdown_categories_are_the_documented_ones():
+    assert CATEGORIES == ("parameter", "buffer", "optimizer state", "gradient", "activation", "other")

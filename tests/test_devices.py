@@ -1,0 +1,154 @@
+"""GPU presets and --capacity parsing: exact bytes, name matching, error messages."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from nbmem.devices import PRESETS, DevicePreset, parse_capacity, preset
+
+GIB = 2**30
+MIB = 2**20
+
+WANTED = [
+    "T4",
+    "L4",
+    "A10",
+    "A10G",
+    "V100-16GB",
+    "V100-32GB",
+    "RTX-3090",
+    "RTX-4090",
+    "A100-40GB",
+    "A100-80GB",
+    "H100-80GB",
+    "H200",
+]
+
+
+def test_every_wanted_preset_is_there():
+    assert set(WANTED) <= set(PRESETS)
+
+
+@pytest.mark.parametrize(
+    ("name", "nbytes"),
+    [
+        ("T4", 15843721216),  # deviceQuery: "15110 MBytes (15843721216 bytes)"
+        ("A100-40GB", 42298834944),  # deviceQuery: "40339 MBytes (42298834944 bytes)"
+        ("RTX-4090", 25383256719),  # OOM "23.64 GiB": round(23.64 * 2**30) = 25383256719
+        ("H100-80GB", 84943715697),  # OOM "79.11 GiB": round(79.11 * 2**30) = 84943715697
+        ("RTX-3090", 25447681229),  # OOM "23.70 GiB": round(23.70 * 2**30) = 25447681229
+        ("H200", 150109945856),  # total_memory=143156MB: 143156 * 2**20 = 150109945856
+        ("A10G", 23684186112),  # total_memory=22587MB: 22587 * 2**20 = 23684186112
+        ("L4", 24_000_000_000),  # nominal 24 GB read as 24 * 10**9 bytes
+    ],
+)
+def test_capacity_matches_the_sourced_figure(name, nbytes):
+    assert PRESETS[name].capacity == nbytes
+
+
+def test_oom_figures_print_back_as_quoted():
+    # PyTorch's OOM message prints total / 2**30 with two decimals.
+    assert f"{PRESETS['T4'].capacity / GIB:.2f}" == "14.76"
+    assert f"{PRESETS['A100-40GB'].capacity / GIB:.2f}" == "39.39"
+    assert f"{PRESETS['V100-16GB'].capacity / GIB:.2f}" == "15.78"
+    assert f"{PRESETS['A100-80GB'].capacity / GIB:.2f}" == "79.25"
+
+
+@pytest.mark.parametrize(
+    ("typed", "name"),
+    [
+        ("rtx 4090", "RTX-4090"),
+        ("A100_40gb", "A100-40GB"),
+        ("t4", "T4"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA GeForce RTX 3090", "RTX-3090"),
+        ("h100-80gb", "H100-80GB"),
+        ("v100 32GB", "V100-32GB"),
+        ("a10g", "A10G"),
+        ("A10", "A10"),
+    ],
+)
+def test_names_match_ignoring_case_dashes_underscores_spaces(typed, name):
+    assert preset(typed).name == name
+
+
+def test_unknown_name_suggests_and_lists_all():
+    with pytest.raises(ValueError) as caught:
+        preset("A100")
+    message = str(caught.value)
+    assert "Did you mean 'A100-40GB', 'A100-80GB'" in message
+    for name in PRESETS:
+        assert name in message
+
+
+def test_unknown_name_without_close_match_still_lists_all():
+    with pytest.raises(ValueError, match="Known presets: T4, L4") as caught:
+        preset("quantum")
+    assert "Did you mean" not in str(caught.value)
+
+
+def test_parse_capacity_sizes():
+    assert parse_capacity("16GiB") == (17179869184, "16GiB")  # 16 * 2**30
+    assert parse_capacity(" 1.5 GB ") == (1_500_000_000, "1.5 GB")  # decimal GB: 1.5 * 10**9
+    assert parse_capacity("512 MiB") == (512 * MIB, "512 MiB")  # 536870912
+    assert parse_capacity(4096) == (4096, "4096")
+
+
+def test_parse_capacity_presets():
+    assert parse_capacity("T4") == (15843721216, "T4")
+    assert parse_capacity("a100-80gb") == (PRESETS["A100-80GB"].capacity, "A100-80GB")
+    assert parse_capacity("rtx 4090") == (25383256719, "RTX-4090")
+
+
+@pytest.mark.parametrize("bad", ["16 GiBs", "GPU", "-1GB", "1e9", "", "sixteen gigs", True])
+def test_malformed_capacity_lists_both_forms(bad):
+    with pytest.raises(ValueError) as caught:
+        parse_capacity(bad)
+    message = str(caught.value)
+    assert "'16GiB'" in message and "'512 MiB'" in message and "'1.5GB'" in message
+    for name in PRESETS:
+        assert name in message
+
+
+def test_malformed_capacity_suggests_a_preset():
+    with pytest.raises(ValueError, match=r"Did you mean 'H100-80GB'"):
+        parse_capacity("H100")
+
+
+@pytest.mark.parametrize("bad", [0, "0", "0GiB", -5])
+def test_zero_or_negative_capacity_is_refused(bad):
+    with pytest.raises(ValueError, match="more than 0 bytes"):
+        parse_capacity(bad)
+
+
+@pytest.mark.parametrize("entry", list(PRESETS.values()), ids=list(PRESETS))
+def test_every_preset_is_sourced_and_sane(entry: DevicePreset):
+    assert entry.source.strip()
+    assert entry.source_kind in ("reported", "nominal")
+    if entry.source_kind == "reported":
+        # a URL, or a citation that quotes the output it took the figure from
+        assert entry.source.startswith("https://") or "total_memory=" in entry.source
+    assert entry.nominal.strip()
+    # Above 1 GiB and at most 192 GiB, and never above the nominal size read as GiB
+    # (NVIDIA's "80 GB" HBM parts carry 80 GiB, of which PyTorch sees ~79).
+    assert GIB < entry.capacity <= 192 * GIB
+    nominal_gb = float(re.match(r"(\d+(?:\.\d+)?) GB", entry.nominal).group(1))
+    assert entry.capacity <= nominal_gb * GIB
+
+
+def test_preset_names_are_canonical_and_unique():
+    for name, entry in PRESETS.items():
+        assert entry.name == name
+        assert preset(name) is entry
+
+
+def test_presets_are_read_only():
+    with pytest.raises(TypeError):
+        PRESETS["T4"] = PRESETS["L4"]  # type: ignore[index]
+
+
+def test_str_says_where_the_figure_comes_from():
+    assert str(PRESETS["T4"]) == "T4: 14.8 GiB as PyTorch reports it (nominal 16 GB GDDR6)"
+    assert "no reported total" in str(PRESETS["L4"])
