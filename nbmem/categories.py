@@ -57,6 +57,7 @@ class Attribution:
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._handles: list[Any] = []
         self._grad_hooks: dict[int, Any] = {}
+        self._stepping: weakref.WeakSet = weakref.WeakSet()  # optimizers inside step()
         self._saved: Any = None
 
     # -- install / remove ----------------------------------------------------
@@ -153,13 +154,24 @@ class Attribution:
         if parameter.grad is not None:
             self.tracker.classify(parameter.grad, "gradient", self._owner(parameter))
 
+    def settle(self) -> None:
+        """Classify what an optimizer interrupted mid-step (by an error) has already made.
+
+        Its state tensors are in ``optimizer.state`` from the start of a step,
+        but the step-end hook that names them never runs when the step fails.
+        """
+        for optimizer in list(self._stepping):
+            self._on_step_end(optimizer, (), {})
+
     def _on_step_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepping.add(optimizer)
         for group in optimizer.param_groups:
             for parameter in group["params"]:
                 if parameter.grad is not None:
                     self.tracker.classify(parameter.grad, "gradient", self._owner(parameter))
 
     def _on_step_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._stepping.discard(optimizer)
         for parameter, state in optimizer.state.items():
             owner = self._owner(parameter) if isinstance(parameter, torch.Tensor) else None
             for value in state.values():

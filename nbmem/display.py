@@ -12,7 +12,7 @@ import io
 from typing import Any
 
 from . import _env
-from .results import History, MemoryResult, report_html
+from .results import History, MemoryResult, report_html, stacked_bar_html
 
 __all__ = ["show_result", "show_line", "show_history", "report_widget", "history_figure"]
 
@@ -25,31 +25,38 @@ def _publish(bundle: dict[str, Any]) -> None:
     display(bundle, raw=True)
 
 
-def report_widget(result: MemoryResult) -> Any:
+def report_widget(result: MemoryResult, *, breakdown: bool = False) -> Any:
     """An ipywidgets view of one result: the capacity bar and summary, details folded."""
     import ipywidgets as widgets
 
     bar = widgets.HTML(value=report_html(result).split("<table", 1)[0] + "</div>")
     bar.add_class("nbmem-bar-widget")
-    details = widgets.HTML(value="<pre style='font-size:12px'>" + html.escape(str(result)) + "</pre>")
+    children = [bar]
+    if breakdown and result.breakdown is not None:
+        categories = widgets.HTML(value=stacked_bar_html(list(result.breakdown.at_peak), "nbmem-breakdown") + "</div>")
+        categories.add_class("nbmem-breakdown-widget")
+        children.append(categories)
+    details = widgets.HTML(value="<pre style='font-size:12px'>" + html.escape(result.text(breakdown=breakdown)) + "</pre>")
     folded = widgets.Accordion(children=[details], titles=("details",), selected_index=None)
     summary = widgets.HTML(value=f"<span style='font-size:12px'>{html.escape(result.summary())}</span>")
-    view = widgets.VBox([bar, summary, folded])
+    view = widgets.VBox([*children, summary, folded])
     view.add_class("nbmem-report-widget")
     return view
 
 
-def show_result(result: MemoryResult, *, text: bool = False, shell: Any = None) -> None:
+def show_result(result: MemoryResult, *, text: bool = False, breakdown: bool = False, shell: Any = None) -> None:
     """Display one result: a widget where one can render, else HTML and text.
 
-    ``text=True`` shows only the plain-text report.
+    ``text=True`` shows only the plain-text report; ``breakdown=True`` adds
+    what the memory at the peak was for.
     """
+    plain = result.text(breakdown=breakdown)
     if text:
-        _publish({"text/plain": str(result)})
+        _publish({"text/plain": plain})
         return
-    bundle = {"text/plain": str(result), "text/html": report_html(result)}
+    bundle = {"text/plain": plain, "text/html": report_html(result, breakdown=breakdown)}
     if _env.widgets_usable(shell):
-        view = report_widget(result)
+        view = report_widget(result, breakdown=breakdown)
         widget_view = view._repr_mimebundle_()[WIDGET_MIME]
         bundle = {WIDGET_MIME: widget_view, **bundle}
     _publish(bundle)

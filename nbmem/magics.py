@@ -17,12 +17,13 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import display
+from .diagnose import diagnose, is_out_of_memory
 from .results import History, MemoryResult, first_line
 from .scope import BACKENDS, MemoryScope, resolve_backend
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
 
-ACTIONS = ("on", "off", "history", "reset")
+ACTIONS = ("on", "off", "history", "reset", "free")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class _EveryCell:
     backend: str = "auto"
     device: str | None = None
     quiet: bool = False
+    capacity: str | None = None
 
 
 @dataclass
@@ -71,11 +73,18 @@ class GpuMemMagics(Magics):
     @argument(
         "action",
         nargs="?",
-        help="line form only: on, off, history or reset",
+        help="line form only: on, off, history, reset or free",
     )
     @argument("-o", "--output", action="store_true", help="return the result object (it lands in Out)")
     @argument("-q", "--quiet", action="store_true", help="show nothing; the result still goes to the history")
     @argument("--text", action="store_true", help="show the report as plain text, no widget or HTML")
+    @argument("--breakdown", action="store_true", help="also show what the memory at the peak was for: by category and module")
+    @argument(
+        "--capacity",
+        default=None,
+        help="a virtual device: a size (16GiB, 512MiB) or a preset (T4, A100-40GB, ...); "
+        "an allocation beyond it raises torch.OutOfMemoryError",
+    )
     @argument("--device", default=None, help="device to measure: cuda:N, cuda or cpu (default: current CUDA device, else cpu)")
     @argument(
         "--backend",
@@ -96,6 +105,7 @@ class GpuMemMagics(Magics):
           %gpumem off                                        stop measuring every cell
           %gpumem history [-o] [--text]                      table and chart of measured cells
           %gpumem reset                                      forget the history
+          %gpumem free                                       release what failed cells keep alive
 
         With a CUDA device the figures are *measured* by PyTorch's caching
         allocator. Without one (or with ``--backend tracked``) the cell still
@@ -108,9 +118,20 @@ class GpuMemMagics(Magics):
         blocks; ``device`` is the driver's view (with the CUDA context and
         other processes).
 
+        ``--breakdown`` splits the memory at the peak into parameters,
+        buffers, gradients, optimizer state, activations (what autograd saved
+        for backward) and other, and by top-level module. ``--capacity T4``
+        runs the cell as if on a smaller device: the op that would not fit
+        raises ``torch.OutOfMemoryError``, as CUDA would. After any
+        out-of-memory error the report explains it: the largest live tensors
+        and what would help, with estimated savings.
+
         Examples::
 
           %%gpumem
+          loss = model(x).sum(); loss.backward(); opt.step()
+
+          %%gpumem --breakdown --capacity T4
           loss = model(x).sum(); loss.backward(); opt.step()
 
           %%gpumem -o --backend tracked
@@ -126,6 +147,10 @@ class GpuMemMagics(Magics):
             raise UsageError(f"--backend {args.backend!r} is not known: use one of {', '.join(BACKENDS)}")
         try:
             resolve_backend(args.backend, args.device)
+            if args.capacity is not None:
+                from .devices import parse_capacity
+
+                parse_capacity(args.capacity)
         except ValueError as error:
             raise UsageError(str(error)) from None
         if cell is not None:
@@ -159,13 +184,20 @@ class GpuMemMagics(Magics):
         body = shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec")
         namespace = shell.user_ns
 
-        scope = MemoryScope(args.backend, args.device, label=first_line(cell), execution_count=count)
+        scope = MemoryScope(
+            args.backend,
+            args.device,
+            label=first_line(cell),
+            execution_count=count,
+            breakdown=args.breakdown,
+            capacity=args.capacity,
+        )
         scope.start()
         try:
             exec(body, namespace)
             value = eval(last, namespace) if last is not None else None
         except BaseException as error:
-            self._report(scope.stop(error), args)
+            self._report(scope.stop(error), args, scope, error)
             raise
         result = scope.stop()
         self._report(result, args)
@@ -177,15 +209,17 @@ class GpuMemMagics(Magics):
             return result
         return value
 
-    def _report(self, result: MemoryResult, args: Any) -> None:
+    def _report(self, result: MemoryResult, args: Any, scope: MemoryScope | None = None, error: BaseException | None = None) -> None:
         self.session.record(result)
         if not (args.quiet or (args.output and not result.failed)):
-            display.show_result(result, text=args.text, shell=self.shell)
+            display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell)
+        if scope is not None and is_out_of_memory(error) and not args.quiet:
+            display.show_value(diagnose(result, scope.tracker, self.shell.user_ns, error))
 
     # -- line actions -------------------------------------------------------
 
     def _action_on(self, args: Any) -> None:
-        self.session.every_cell = _EveryCell(args.backend, args.device, args.quiet)
+        self.session.every_cell = _EveryCell(args.backend, args.device, args.quiet, args.capacity)
         if not args.quiet:
             mode, device = resolve_backend(args.backend, args.device)
             print(f"gpumem: every cell from now on is {mode} on {device} (`%gpumem off` stops)")
@@ -200,6 +234,16 @@ class GpuMemMagics(Magics):
             return self.session.history
         if not args.quiet:
             display.show_history(self.session.history, text=args.text)
+        return None
+
+    def _action_free(self, args: Any) -> Any:
+        from .reclaim import free
+
+        reclaimed = free(self.shell, device=args.device)
+        if args.output:
+            return reclaimed
+        if not args.quiet:
+            display.show_value(reclaimed)
         return None
 
     def _action_reset(self, args: Any) -> None:
@@ -222,7 +266,10 @@ class GpuMemMagics(Magics):
         if _is_nbmem_cell(raw):
             return
         options = session.every_cell or session.log_options
-        scope = MemoryScope(options.backend, options.device, label=first_line(raw), execution_count=session.cell_number)
+        scope = MemoryScope(
+            options.backend, options.device, label=first_line(raw), execution_count=session.cell_number,
+            capacity=options.capacity,
+        )
         session.pending = scope.start()
 
     def post_run_cell(self, result: Any) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Literal
 
 from .units import format_bytes
 
-__all__ = ["MemoryResult", "Breakdown", "CATEGORIES", "CATEGORY_MEANING", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
+__all__ = ["MemoryResult", "Breakdown", "report_html", "stacked_bar_html", "CATEGORIES", "CATEGORY_MEANING", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
 
 Mode = Literal["measured", "tracked"]
 
@@ -221,14 +221,21 @@ class MemoryResult:
         rows.append(("time", f"{self.seconds:.3g} s wall"))
         return rows
 
-    def __str__(self) -> str:
+    def text(self, *, breakdown: bool = False) -> str:
+        """The report as text; ``breakdown=True`` adds what the memory was for."""
         head = f"gpumem{' ' + self.label if self.label else ''}: {self.source}"
         if self.error:
             head += f"\n  FAILED with {self.error}: figures cover the cell up to the failure"
-        width = max(len(name) for name, _ in self._rows())
-        lines = [head] + [f"  {name:<{width}}  {text}" for name, text in self._rows()]
+        rows = self._rows()
+        if breakdown and self.breakdown is not None:
+            rows += self.breakdown.rows()
+        width = max(len(name) for name, _ in rows)
+        lines = [head] + [f"  {name:<{width}}  {text}" for name, text in rows]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.text()
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -254,12 +261,22 @@ class MemoryResult:
         return report_html(self)
 
 
-_COLOURS = {"before": "#8d99ae", "cell peak": "#e76f51", "cached": "#f4d58d", "free": "#e9ecef"}
+_COLOURS = {
+    "before": "#8d99ae",
+    "cell peak": "#e76f51",
+    "cached": "#f4d58d",
+    "free": "#e9ecef",
+    "parameter": "#264653",
+    "buffer": "#6d597a",
+    "optimizer state": "#2a9d8f",
+    "gradient": "#e9c46a",
+    "activation": "#e76f51",
+    "other": "#adb5bd",
+}
 
 
-def report_html(result: MemoryResult) -> str:
-    """Self-contained HTML for one result: the capacity bar and the figures."""
-    segments = result.bar_segments()
+def stacked_bar_html(segments: list[tuple[str, int]], css_class: str, *, always: tuple[str, ...] = ()) -> str:
+    """A horizontal bar of named byte segments, and its legend (segments of 0 B left out)."""
     total = sum(size for _, size in segments) or 1
     bar = "".join(
         f'<div class="nbmem-seg nbmem-seg-{name.replace(" ", "-")}" title="{name}: {format_bytes(size)}"'
@@ -271,13 +288,38 @@ def report_html(result: MemoryResult) -> str:
         f'<span style="white-space:nowrap"><span style="display:inline-block;width:0.8em;height:0.8em;'
         f'background:{_COLOURS[name]};margin-right:0.25em"></span>{name} {format_bytes(size)}</span>'
         for name, size in segments
-        if size > 0 or name == "cell peak"
+        if size > 0 or name in always
     )
+    return (
+        f'<div class="{css_class}" style="display:flex;height:14px;border:1px solid #888;margin:4px 0">{bar}</div>'
+        f"<div style='font-size:12px'>{legend}"
+    )
+
+
+def report_html(result: MemoryResult, *, breakdown: bool = False) -> str:
+    """Self-contained HTML for one result: the capacity bar and the figures.
+
+    ``breakdown=True`` adds a bar of what the memory at the peak was for.
+    """
+    capacity_bar = stacked_bar_html(result.bar_segments(), "nbmem-bar", always=("cell peak",))
     rows = "".join(
         f"<tr><th style='text-align:left;padding-right:1em'>{name}</th><td style='text-align:left'>"
         f"{html.escape(text)}</td></tr>"
         for name, text in result._rows()
     )
+    for_what = ""
+    if breakdown and result.breakdown is not None:
+        for_what = (
+            "<div style='margin-top:6px'><b>at the peak, by category</b></div>"
+            + stacked_bar_html(list(result.breakdown.at_peak), "nbmem-breakdown")
+            + "</div><table style='font-size:12px'>"
+            + "".join(
+                f"<tr><th style='text-align:left;padding-right:1em'>{name}</th><td style='text-align:left'>"
+                f"{html.escape(text)}</td></tr>"
+                for name, text in result.breakdown.rows()
+            )
+            + "</table>"
+        )
     failed = (
         f"<div style='color:#b00020'><b>FAILED</b> with {html.escape(result.error)}:"
         " figures cover the cell up to the failure</div>"
@@ -289,9 +331,8 @@ def report_html(result: MemoryResult) -> str:
     return (
         f'<div class="nbmem-report" style="font-family:sans-serif;font-size:13px;max-width:48em">'
         f"<div><b>gpumem</b> {html.escape(result.label)} — {html.escape(result.source)}</div>{failed}"
-        f'<div class="nbmem-bar" style="display:flex;height:14px;border:1px solid #888;margin:4px 0">{bar}</div>'
-        f"<div style='font-size:12px'>{legend}{scale}</div>"
-        f"<table style='font-size:12px;margin-top:4px'>{rows}</table>{notes}</div>"
+        f"{capacity_bar}{scale}</div>"
+        f"<table style='font-size:12px;margin-top:4px'>{rows}</table>{for_what}{notes}</div>"
     )
 
 

@@ -163,6 +163,8 @@ class MemoryScope:
             raise RuntimeError("this MemoryScope is not running: call start() first")
         counter, tracker = self._counter, self._tracker
         tracker_scope, self._tracker_scope = self._tracker_scope, None
+        if tracker is not None and error is not None:
+            tracker.settle()
         try:
             if isinstance(counter, CudaCounter) and error is None:
                 counter.synchronize()  # the wall time includes the GPU work the block queued

@@ -43,6 +43,9 @@ class _TrackingMode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        # nbmem's frames stay out of tracebacks: a virtual out-of-memory error
+        # should read like CUDA's, ending at the user's op
+        __tracebackhide__ = True
         tracker = self.tracker
         tracker._op_index += 1
         tracker._op = func
@@ -317,6 +320,7 @@ class Tracker:
     # -- the accounting (hot path: keep it lean) ----------------------------
 
     def _note(self, out: Any) -> None:
+        __tracebackhide__ = True
         if isinstance(out, _Tensor):
             self._count(out, adopt=False)
         elif isinstance(out, (tuple, list)):
@@ -339,6 +343,7 @@ class Tracker:
                 self._adopt_all(value)
 
     def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
+        __tracebackhide__ = True
         if not self._on_device(tensor):
             return
         try:
@@ -408,8 +413,15 @@ class Tracker:
             self._categories[record.category] -= record.size
             self._modules[record.module] -= record.size
 
+    def settle(self) -> None:
+        """Name what code interrupted by an error has made (see Attribution.settle)."""
+        if self._attribution is not None:
+            self._attribution.settle()
+
     def _check_capacity(self, size: int) -> None:
+        __tracebackhide__ = True
         if self.capacity is not None and self._allocated + size > self.capacity:
+            self.settle()
             self.last_oom = VirtualOOM(
                 request=size,
                 allocated=self._allocated,
