@@ -27,6 +27,12 @@ __all__ = [
     "History",
     "Tracker",
     "history",
+    "free",
+    "Reclaimed",
+    "diagnose",
+    "Breakdown",
+    "Timeline",
+    "PRESETS",
     "format_bytes",
     "parse_bytes",
     "load_ipython_extension",
@@ -42,12 +48,23 @@ _LAZY = {
     "History": "results",
     "Tracker": "tracking",
     "history": "magics",
+    "free": "reclaim",
+    "Reclaimed": "reclaim",
+    "diagnose": "diagnose",
+    "Breakdown": "results",
+    "Timeline": "timeline",
+    "PRESETS": "devices",
     "format_bytes": "units",
     "parse_bytes": "units",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .devices import PRESETS
+    from .diagnose import diagnose
     from .magics import history
+    from .reclaim import Reclaimed, free
+    from .results import Breakdown
+    from .timeline import Timeline
     from .results import History, MemoryResult
     from .scope import MemoryScope, measure, track
     from .tracking import Tracker

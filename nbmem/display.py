@@ -14,7 +14,7 @@ from typing import Any
 from . import _env
 from .results import History, MemoryResult, report_html, stacked_bar_html
 
-__all__ = ["show_result", "show_line", "show_history", "report_widget", "history_figure"]
+__all__ = ["show_result", "show_line", "show_history", "show_timeline", "report_widget", "history_figure", "timeline_figure"]
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
@@ -103,6 +103,45 @@ def history_figure(history: History) -> Any:
     axes.set_title(f"gpumem history: peak allocated per cell ({', '.join(modes) or 'no cells'})", fontsize=10)
     axes.legend(fontsize=8, loc="upper left")
     return figure
+
+
+def timeline_figure(timeline: Any) -> Any:
+    """Stacked live memory per category through a block, the peak marked with its op and module."""
+    from matplotlib.figure import Figure
+
+    from .results import _COLOURS
+
+    figure = Figure(figsize=(7, 3.4), layout="constrained")
+    axes = figure.add_subplot()
+    top = max(timeline.peak_bytes, 1)
+    exponent = max(0, min(4, (top.bit_length() - 1) // 10))
+    unit, scale = ("B", "KiB", "MiB", "GiB", "TiB")[exponent], 1024**exponent
+    names = [name for name, values in timeline.series if any(values)]
+    values = [[value / scale for value in dict(timeline.series)[name]] for name in names]
+    if names:
+        axes.stackplot(timeline.steps, values, labels=names, colors=[_COLOURS[name] for name in names], step="post")
+    axes.axvline(timeline.peak_step, color="#b00020", linewidth=0.8)
+    where = f"{timeline.peak_op or ''}{' in ' + timeline.peak_module if timeline.peak_module else ''}"
+    axes.annotate(
+        f"peak {timeline.peak_bytes / scale:.3g} {unit}\n{where}",
+        (timeline.peak_step, timeline.peak_bytes / scale),
+        xytext=(6, -4),
+        textcoords="offset points",
+        va="top",
+        fontsize=8,
+        color="#b00020",
+    )
+    axes.set_xlabel(f"op ({timeline.ops} in all)")
+    axes.set_ylabel(f"allocated ({unit})")
+    axes.set_title("gpumem timeline: live memory by category", fontsize=10)
+    axes.set_xlim(0, max(timeline.ops, 1))
+    axes.legend(fontsize=7, loc="upper left")
+    return figure
+
+
+def show_timeline(timeline: Any) -> None:
+    """Display a timeline chart, with its one-line summary as the text fallback."""
+    _publish({"image/png": _figure_png(timeline_figure(timeline)), "text/plain": str(timeline)})
 
 
 def _short(text: str, width: int = 28) -> str:

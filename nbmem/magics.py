@@ -78,6 +78,8 @@ class GpuMemMagics(Magics):
     @argument("-o", "--output", action="store_true", help="return the result object (it lands in Out)")
     @argument("-q", "--quiet", action="store_true", help="show nothing; the result still goes to the history")
     @argument("--text", action="store_true", help="show the report as plain text, no widget or HTML")
+    @argument("--timeline", action="store_true", help="also plot live memory op by op, stacked by category, the peak named")
+    @argument("--free-on-oom", action="store_true", help="after an out-of-memory error, release the failed cell's frames at once (%%debug is then unavailable)")
     @argument("--breakdown", action="store_true", help="also show what the memory at the peak was for: by category and module")
     @argument(
         "--capacity",
@@ -124,7 +126,9 @@ class GpuMemMagics(Magics):
         runs the cell as if on a smaller device: the op that would not fit
         raises ``torch.OutOfMemoryError``, as CUDA would. After any
         out-of-memory error the report explains it: the largest live tensors
-        and what would help, with estimated savings.
+        and what would help, with estimated savings; ``--free-on-oom`` then
+        releases the failed cell's frames at once (``%debug`` can no longer
+        inspect them). ``--timeline`` plots live memory op by op.
 
         Examples::
 
@@ -191,6 +195,7 @@ class GpuMemMagics(Magics):
             execution_count=count,
             breakdown=args.breakdown,
             capacity=args.capacity,
+            timeline=args.timeline,
         )
         scope.start()
         try:
@@ -213,8 +218,17 @@ class GpuMemMagics(Magics):
         self.session.record(result)
         if not (args.quiet or (args.output and not result.failed)):
             display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell)
-        if scope is not None and is_out_of_memory(error) and not args.quiet:
-            display.show_value(diagnose(result, scope.tracker, self.shell.user_ns, error))
+        if not args.quiet and result.timeline is not None:
+            display.show_timeline(result.timeline)
+        if scope is not None and is_out_of_memory(error):
+            if not args.quiet:
+                display.show_value(diagnose(result, scope.tracker, self.shell.user_ns, error))
+            if args.free_on_oom:
+                from .reclaim import release_error
+
+                reclaimed = release_error(error, device=args.device)
+                if not args.quiet:
+                    display.show_value(reclaimed)
 
     # -- line actions -------------------------------------------------------
 

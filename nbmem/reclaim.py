@@ -37,7 +37,7 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -46,7 +46,7 @@ from .scope import resolve_backend
 from .tracking import default_tracker
 from .units import format_bytes
 
-__all__ = ["Reclaimed", "free"]
+__all__ = ["Reclaimed", "free", "release_error"]
 
 #: Where the interpreter keeps the last uncaught error; IPython sets these too.
 _SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
@@ -135,14 +135,38 @@ def free(shell: Any = None, *, device: str | torch.device | None = None, empty_c
     """
     if shell is None:
         shell = _running_shell()
+
+    def release() -> list[str]:
+        released = _release_last_error(shell)
+        if shell is not None:
+            released += _release_outputs(shell)
+        return released
+
+    return _reclaim(release, device, empty_cache)
+
+
+def release_error(error: BaseException, *, device: str | torch.device | None = None, empty_cache: bool = True) -> Reclaimed:
+    """Clear the locals of the frames of ``error``, an error still being raised.
+
+    For ``%%gpumem --free-on-oom``: the traceback stays, so IPython still shows
+    every line of it, but the tensors the failed code held in its frames go
+    now, before IPython files the error away. ``%debug`` can't inspect them.
+    """
+
+    def release() -> list[str]:
+        chain = list(_chained([error]))
+        frames = _clear_frames(e.__traceback__ for e in chain if e.__traceback__ is not None)
+        count = f"{frames} frame" + ("" if frames == 1 else "s")
+        return [f"{_TRACEBACK_RELEASED} {count} ({type(error).__name__})"]
+
+    return _reclaim(release, device, empty_cache)
+
+
+def _reclaim(release: Callable[[], list[str]], device: str | torch.device | None, empty_cache: bool) -> Reclaimed:
+    """Measure, let go of what ``release`` drops, collect, empty the CUDA cache, measure again."""
     mode, where = _measuring(device)
     allocated_before, reserved_before = _figures(mode, where)
-
-    released: list[str] = []
-    released += _release_last_error(shell)
-    if shell is not None:
-        released += _release_outputs(shell)
-
+    released = release()
     gc.collect()
     if empty_cache and torch.cuda.is_initialized():
         torch.cuda.empty_cache()

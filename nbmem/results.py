@@ -114,6 +114,8 @@ class MemoryResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
     #: What the memory was for (tracked mode, or measured with a tracker alongside).
     breakdown: Breakdown | None = None
+    #: Live memory op by op (nbmem.timeline.Timeline), when asked for.
+    timeline: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "MemoryResult":
@@ -375,6 +377,7 @@ class History:
         records = []
         for result in self._results:
             record = asdict(result)
+            record.pop("timeline")  # records hold figures; a timeline can be 100k points long
             record["notes"] = list(result.notes)
             record["peak"] = result.peak
             record["retained"] = result.retained

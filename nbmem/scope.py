@@ -18,7 +18,7 @@ import torch
 from .counters import CudaCounter, OpenScope, cuda_counter
 from .results import CATEGORIES, Breakdown, MemoryResult
 from .units import format_bytes
-from .tracking import Tracker, default_tracker
+from .tracking import Recording, Tracker, default_tracker
 
 __all__ = ["MemoryScope", "measure", "track", "resolve_backend", "BACKENDS"]
 
@@ -94,6 +94,7 @@ class MemoryScope:
         tracker: Tracker | None = None,
         breakdown: bool = False,
         capacity: int | str | None = None,
+        timeline: bool = False,
     ) -> None:
         if tracker is not None:
             backend, device = "tracked", tracker.device
@@ -118,8 +119,10 @@ class MemoryScope:
         self._tracker: Tracker | None = (
             self._counter
             if isinstance(self._counter, Tracker)
-            else (default_tracker(self.device) if breakdown or capacity is not None else None)
+            else (default_tracker(self.device) if breakdown or timeline or capacity is not None else None)
         )
+        self._timeline = timeline
+        self._recording: Recording | None = None
         self._scope: OpenScope | None = None
         self._tracker_scope: OpenScope | None = None
         self._saved_capacity: tuple[int | None, str] = (None, "")
@@ -150,6 +153,8 @@ class MemoryScope:
             if tracker is not None:
                 tracker.deactivate()
             raise
+        if tracker is not None and self._timeline:
+            self._recording = tracker.start_recording()
         if tracker is not None and self.capacity is not None:
             self._saved_capacity = (tracker.capacity, tracker.capacity_label)
             tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
@@ -172,6 +177,8 @@ class MemoryScope:
         finally:
             counter.scopes.close(scope)
             if tracker is not None:
+                if self._recording is not None:
+                    tracker.stop_recording(self._recording)
                 if tracker_scope is not None and tracker_scope is not scope:
                     tracker.scopes.close(tracker_scope)
                 if self.capacity is not None:
@@ -189,6 +196,12 @@ class MemoryScope:
         if error is not None and not isinstance(error, type):
             error = type(error)
         breakdown = _breakdown(tracker_scope, tracker) if tracker is not None and tracker_scope is not None else None
+        timeline = None
+        if tracker is not None and self._recording is not None:
+            from .timeline import build_timeline
+
+            recording, self._recording = self._recording, None
+            timeline = build_timeline(recording, tracker.op_count, module=breakdown.module if breakdown else None)
         if breakdown is not None and self.mode == "measured":
             notes.append("breakdown tracked alongside the measurement (tensors on the device, 512 B rounding)")
         self.result = MemoryResult(
@@ -209,6 +222,7 @@ class MemoryScope:
             execution_count=self.execution_count,
             notes=tuple(notes),
             breakdown=breakdown,
+            timeline=timeline,
         )
         return self.result
 
@@ -251,20 +265,22 @@ def measure(
     label: str = "",
     breakdown: bool = False,
     capacity: int | str | None = None,
+    timeline: bool = False,
 ) -> MemoryScope:
     """Measure a block: on CUDA with the allocator's statistics, else tracked.
 
     ``breakdown=True`` also runs the tracker on a CUDA device, so the result
     says what the memory was for (tracked mode always does). ``capacity``
     (``"16GiB"``, ``"T4"``...) makes a virtual device: an allocation beyond it
-    raises ``torch.OutOfMemoryError`` as CUDA would.
+    raises ``torch.OutOfMemoryError`` as CUDA would. ``timeline=True`` records
+    live memory op by op (``scope.result.timeline.plot()``).
 
     >>> with measure() as scope:
     ...     x = torch.ones(256)       # 256 * 4 bytes = 1 KiB
     >>> scope.result.retained if scope.result.mode == "tracked" else 1024
     1024
     """
-    return MemoryScope(backend, device, label=label, breakdown=breakdown, capacity=capacity)
+    return MemoryScope(backend, device, label=label, breakdown=breakdown, capacity=capacity, timeline=timeline)
 
 
 def track(

@@ -196,6 +196,11 @@ class Tracker:
         return self._adopted
 
     @property
+    def op_count(self) -> int:
+        """Operations this tracker has seen (its op index)."""
+        return self._op_index
+
+    @property
     def live_storages(self) -> int:
         return len(self._storages)
 
