@@ -102,3 +102,37 @@ def test_magic_reports_measured_in_a_shell(shell, device):
     assert f"measured on {device}" in text and "reserved" in text and "free of" in text
     assert nbmem.history(shell)[-1].retained == 4 * MiB
     assert len(cuda_counter(device.index).scopes) == 0
+
+
+def quickstart_model(device):
+    """The model and step of notebooks/01-quickstart.ipynb."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(784, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    ).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch_size=64):
+        images = torch.randn(batch_size, 784, device=device)
+        labels = torch.randint(0, 10, (batch_size,), device=device)
+        torch.nn.functional.cross_entropy(model(images), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def test_breakdown_total_at_peak_within_2_percent_of_cuda_peak(device):
+    """Issue 3's check: the tracked breakdown alongside a measured step."""
+    step = quickstart_model(device)
+    with nbmem.measure(device, breakdown=True) as scope:
+        step()
+    result = scope.result
+    total = sum(size for _, size in result.breakdown.at_peak)
+    assert total == pytest.approx(result.peak_allocated, rel=0.02)
+
+
+def test_virtual_capacity_on_cuda_tensors(device):
+    with pytest.raises(torch.OutOfMemoryError, match="virtual device"):
+        with nbmem.measure(device, capacity="4MiB"):
+            torch.empty(8 * MiB, dtype=torch.uint8, device=device)
