@@ -145,7 +145,7 @@ def diagnose(
         elif oom.module is not None:
             phase = f"forward ({oom.module})"
         else:
-            phase = "code outside any module (e.g. an optimizer step)"
+            phase = "code outside any module's forward (making a batch, an optimizer step, ...)"
     else:
         capacity, in_use, request = result.capacity, result.allocated_after, _request_from(error)
     largest: tuple[LiveTensor, ...] = ()

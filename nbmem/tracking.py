@@ -436,7 +436,13 @@ class Tracker:
                 op=self._op,
                 module=self.current_module(),
             )
-            raise torch.OutOfMemoryError(self.last_oom.message())
+            _virtual_device_is_full(self.last_oom)
+
+
+def _virtual_device_is_full(oom: "VirtualOOM") -> None:
+    # IPython always shows the frame that raises, so it is this one: the op in
+    # the frame above tried to allocate more than the virtual device has left.
+    raise torch.OutOfMemoryError(oom.message())
 
 
 @dataclass(frozen=True)
