@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .results import CELL_COLUMNS, MemoryResult, cell_figures, first_line, shorten, text_table
-from .units import format_bytes, parse_bytes
+from .units import format_bytes
 
 # Keep this module light: `nbmem --help` must not pay for torch, nbclient or a
 # kernel. They are imported where a profile actually runs.
@@ -420,8 +420,11 @@ def _known_kernels() -> str:
 
 
 def _size(text: str) -> int:
+    # the same forms as --capacity everywhere in nbmem: a size or a GPU preset
+    from .devices import parse_capacity
+
     try:
-        return parse_bytes(text)
+        return parse_capacity(text)[0]
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -452,6 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     >>> args = build_parser().parse_args(["profile", "train.ipynb", "--max-peak", "2GiB"])
     >>> args.notebook, args.max_peak, args.backend
     ('train.ipynb', 2147483648, 'auto')
+    >>> build_parser().parse_args(["profile", "train.ipynb", "--max-peak", "T4"]).max_peak
+    15843721216
     """
     parser = argparse.ArgumentParser(
         prog="nbmem",
@@ -487,7 +492,8 @@ examples:
         default=None,
         help=(
             "fail (exit 3) when any cell has more than SIZE in use at its peak, e.g. 2GiB, 512MiB, "
-            "1.5GB or 4096 (bytes); binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB"
+            "1.5GB or 4096 (bytes; binary units KiB/MiB/GiB/TiB, decimal KB/MB/GB/TB), or a GPU "
+            "preset such as T4 or A100-40GB (its total memory)"
         ),
     )
     profile.add_argument(

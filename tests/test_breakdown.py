@@ -111,17 +111,18 @@ def test_categories_sum_to_the_total_after_every_op():
     assert check.checked > 100
 
 
-def test_no_hook_or_mode_left_behind_even_after_an_error():
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_no_hook_or_mode_left_behind_even_after_an_error(error):
     from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim_module
 
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError):
-        with fresh():
+    with pytest.raises(error):
+        with fresh(capacity="1GiB", timeline=True, breakdown=True):
             model(torch.randn(2, 1024)).sum().backward()
             optimizer.step()
-            raise ValueError("the cell fails")
+            raise error()
     assert _get_current_dispatch_mode() is None
     assert not nn_module._global_forward_pre_hooks and not nn_module._global_forward_hooks
     assert not nn_module._global_parameter_registration_hooks and not nn_module._global_buffer_registration_hooks

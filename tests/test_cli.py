@@ -196,7 +196,7 @@ def test_bad_arguments_and_paths_exit_2_with_a_fix(tmp_path, capsys):
         cli.main(["profile", str(notebook), "--max-peak", "lots"])
     assert exited.value.code == cli.EXIT_USAGE
     err = capsys.readouterr().err
-    assert "--max-peak" in err and "can't read 'lots' as a size" in err and "'16GiB'" in err and "KB/MB/GB/TB" in err
+    assert "--max-peak" in err and "can't read 'lots' as a capacity" in err and "'16GiB'" in err and "A100-40GB" in err
 
     with pytest.raises(SystemExit) as exited:
         cli.main(["profile", str(notebook), "--timeout", "soon"])
