@@ -312,7 +312,8 @@ def _did_you_mean(name: str) -> str:
 def parse_capacity(value: str | int) -> tuple[int, str]:
     """Read ``--capacity``: a size or a GPU preset -> ``(bytes, label)``.
 
-    The label is the preset's name, or the size as written. Sizes go through
+    The label is the preset's name, or the size as written; a bare number of
+    bytes is labelled in binary units, so it reads as a size. Sizes go through
     :func:`nbmem.units.parse_bytes`: binary units (KiB, MiB, GiB) are powers of
     1024, decimal units (KB, MB, GB) powers of 1000, a bare number is bytes.
 
@@ -321,14 +322,16 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
     >>> parse_capacity("1.5 GB")
     (1500000000, '1.5 GB')
     >>> parse_capacity(4096)
-    (4096, '4096')
+    (4096, '4.00 KiB')
+    >>> parse_capacity("158437212")
+    (158437212, '151 MiB')
     >>> parse_capacity("t4")
     (15843721216, 'T4')
     """
     if isinstance(value, bool):  # bool is an int; True is not a size
         raise ValueError(_unreadable(value))
     if isinstance(value, int):
-        nbytes, label = value, str(value)
+        nbytes, label = value, format_bytes(value)
     else:
         text = str(value).strip()
         found = _BY_KEY.get(_key(text))
@@ -338,7 +341,7 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
             nbytes = parse_bytes(text)
         except ValueError:
             raise ValueError(_unreadable(value)) from None
-        label = text
+        label = format_bytes(nbytes) if text.isdigit() else text
     if nbytes <= 0:
         raise ValueError(f"a capacity must be more than 0 bytes, got {value!r}")
     return nbytes, label

@@ -116,6 +116,9 @@ class MemoryResult:
     breakdown: Breakdown | None = None
     #: Live memory op by op (nbmem.timeline.Timeline), when asked for.
     timeline: Any = field(default=None, compare=False, repr=False)
+    #: Whether this result's own text and HTML include the breakdown (it was
+    #: asked for), e.g. when `%%gpumem -o --breakdown` shows it as Out.
+    show_breakdown: bool = field(default=False, compare=False)
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "MemoryResult":
@@ -237,7 +240,7 @@ class MemoryResult:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        return self.text()
+        return self.text(breakdown=self.show_breakdown)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -260,7 +263,7 @@ class MemoryResult:
         return [("before", before), ("cell peak", cell), ("cached", cached), ("free", free)]
 
     def _repr_html_(self) -> str:
-        return report_html(self)
+        return report_html(self, breakdown=self.show_breakdown)
 
 
 _COLOURS = {
@@ -378,6 +381,7 @@ class History:
         for result in self._results:
             record = asdict(result)
             record.pop("timeline")  # records hold figures; a timeline can be 100k points long
+            record.pop("show_breakdown")
             record["notes"] = list(result.notes)
             record["peak"] = result.peak
             record["retained"] = result.retained

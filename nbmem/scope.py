@@ -122,6 +122,7 @@ class MemoryScope:
             else (default_tracker(self.device) if breakdown or timeline or capacity is not None else None)
         )
         self._timeline = timeline
+        self._show_breakdown = breakdown
         self._recording: Recording | None = None
         self._scope: OpenScope | None = None
         self._tracker_scope: OpenScope | None = None
@@ -223,6 +224,7 @@ class MemoryScope:
             notes=tuple(notes),
             breakdown=breakdown,
             timeline=timeline,
+            show_breakdown=self._show_breakdown,
         )
         return self.result
 

@@ -93,7 +93,7 @@ def test_parse_capacity_sizes():
     assert parse_capacity("16GiB") == (17179869184, "16GiB")  # 16 * 2**30
     assert parse_capacity(" 1.5 GB ") == (1_500_000_000, "1.5 GB")  # decimal GB: 1.5 * 10**9
     assert parse_capacity("512 MiB") == (512 * MIB, "512 MiB")  # 536870912
-    assert parse_capacity(4096) == (4096, "4096")
+    assert parse_capacity(4096) == (4096, "4.00 KiB")  # bare bytes are labelled in binary units
 
 
 def test_parse_capacity_presets():

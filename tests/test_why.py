@@ -92,3 +92,12 @@ def test_bad_capacity_is_a_usage_error(shell):
     message = captured.stderr + captured.stdout
     assert not result.success and "UsageError" in message
     assert "'16GiB'" in message and "A100-40GB" in message
+
+
+def test_output_flag_keeps_the_breakdown_in_out(shell):
+    run(shell, SETUP)
+    result, captured = run(shell, "%%gpumem -o --breakdown\ntrain(8)")
+    shown = str(result.result)
+    assert "optimizer state" in shown and "by module" in shown
+    assert "nbmem-breakdown" in result.result._repr_html_()
+    assert "by module" not in str(nbmem.history(shell)[-1].__class__(**{**result.result.__dict__, "show_breakdown": False}))
