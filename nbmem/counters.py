@@ -29,9 +29,13 @@ class PeakCounter(Protocol):
     def reset_peak(self) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class OpenScope:
-    """The running figures of one open scope."""
+    """The running figures of one open scope.
+
+    Compared by identity: two scopes with the same figures are still two
+    scopes, and closing one must never remove the other from the stack.
+    """
 
     allocated_before: int
     reserved_before: int | None

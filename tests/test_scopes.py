@@ -142,3 +142,12 @@ def test_adopt_raises_start_and_peak_of_open_scopes_only(counter):
     assert (closed.allocated_before, closed.peak_allocated) == (512, 512 + 10)
     later = scopes.open()
     assert scopes.close(later).allocated_before == 512 + 10
+
+
+def test_closing_a_scope_never_removes_an_equal_looking_other(counter):
+    scopes = PeakScopes(counter)
+    outer = scopes.open()
+    inner = scopes.open()  # same figures as the outer one
+    scopes.close(inner)
+    assert len(scopes) == 1 and not outer.closed
+    assert scopes.close(outer) is outer and len(scopes) == 0
