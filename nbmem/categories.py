@@ -48,6 +48,11 @@ def top_level(name: str | None) -> str | None:
     return ".".join(name.split(".")[:2])
 
 
+def _owner_path(module_name: str, path: str) -> str:
+    """The module that holds ``path`` (``"0.weight"`` under ``"Sequential"`` -> ``"Sequential.0"``)."""
+    return f"{module_name}.{path.rsplit('.', 1)[0]}" if "." in path else module_name
+
+
 class Attribution:
     """The hooks that keep a tracker's categories and modules right (see the module docstring)."""
 
@@ -119,18 +124,30 @@ class Attribution:
     # -- hooks -------------------------------------------------------------------
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
-        owner = top_level(self.name_of(module))
+        name = self.name_of(module)
+        owner = top_level(name)
+        outermost = not self._running
         self._running.append(owner)
-        classify = self.tracker.classify
+        if outermost:
+            # The whole tree, once per outermost call: some parameters are used
+            # without their module ever being called (MultiheadAttention's
+            # out_proj goes straight to F.multi_head_attention_forward).
+            for path, parameter in module.named_parameters():
+                self._parameter(parameter, top_level(_owner_path(name, path)))
+            for path, buffer in module.named_buffers():
+                self.tracker.classify(buffer, "buffer", top_level(_owner_path(name, path)))
+            return
         for parameter in module._parameters.values():
-            if parameter is None:
-                continue
-            classify(parameter, "parameter", owner)
-            if parameter.requires_grad and id(parameter) not in self._grad_hooks:
-                self._grad_hooks[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._on_grad)
+            if parameter is not None:
+                self._parameter(parameter, owner)
         for buffer in module._buffers.values():
             if buffer is not None:
-                classify(buffer, "buffer", owner)
+                self.tracker.classify(buffer, "buffer", owner)
+
+    def _parameter(self, parameter: torch.nn.Parameter, owner: str | None) -> None:
+        self.tracker.classify(parameter, "parameter", owner)
+        if parameter.requires_grad and id(parameter) not in self._grad_hooks:
+            self._grad_hooks[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._on_grad)
 
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._running:

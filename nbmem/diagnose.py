@@ -163,16 +163,18 @@ def diagnose(
         request=request,
         virtual=virtual,
         largest=largest,
-        suggestions=tuple(suggest(result, request)),
+        suggestions=tuple(suggest(result, request, in_forward=phase.startswith("forward") if phase else None)),
         phase=phase,
     )
 
 
-def suggest(result: MemoryResult, request: int | None = None) -> list[Suggestion]:
+def suggest(result: MemoryResult, request: int | None = None, *, in_forward: bool | None = None) -> list[Suggestion]:
     """Changes that lower the peak, largest estimated saving first; only those that apply.
 
     ``request`` is the allocation that failed; inside a module's forward it is
     batch-sized too, so a smaller batch or lower precision shrinks it as well.
+    ``in_forward`` says whether the failure was in a module's forward (known
+    for virtual devices); otherwise the module at the peak decides.
     """
     if result.breakdown is None:
         return []
@@ -181,7 +183,8 @@ def suggest(result: MemoryResult, request: int | None = None) -> list[Suggestion
     # At a peak inside a module's forward or in backward, "other" is mostly
     # batch-sized temporaries; at a peak outside modules (an optimizer step)
     # it is parameter-sized and no batch change touches it.
-    in_forward = result.breakdown.module is not None
+    if in_forward is None:
+        in_forward = result.breakdown.module is not None
     batch_sized = activations + ((at_peak["other"] + (request or 0)) if in_forward else 0)
     # what earlier cells left that the model itself does not need
     leftovers = result.allocated_before - at_peak["parameter"] - at_peak["buffer"] - state

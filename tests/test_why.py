@@ -56,18 +56,20 @@ def test_virtual_out_of_memory_diagnosis_free_and_the_fix(shell):
     assert "CUDA out of memory. Tried to allocate 64.00 MiB" in str(result.error_in_exec)
     report, diagnosis = (output.data["text/plain"] for output in captured.outputs)
     assert "FAILED with OutOfMemoryError" in report and "virtual 100MiB" in report
-    assert "capacity 100 MiB; in use at the failure 96.0 MiB; the failed request 64.0 MiB; missing 60.0 MiB" in diagnosis
+    # the model's 32 MiB of parameters (counted from the model's first call) and
+    # the batch x (16 MiB) are in use when the first Linear's output (64 MiB) fails
+    assert "capacity 100 MiB; in use at the failure 48.0 MiB; the failed request 64.0 MiB; missing 12.0 MiB" in diagnosis
     assert "model.0.weight  4096x1024  float32  parameter" in diagnosis
     assert (
-        "halve the batch and accumulate 2 micro-batches (same effective batch): saves about 72.0 MiB"
-        " (covers what was missing at the failure)" in diagnosis
+        "halve the batch and accumulate 2 micro-batches (same effective batch): saves about 40.0 MiB"
+        " (covers what was missing at the failure)" in diagnosis  # (16 MiB of x + the 64 MiB request) / 2
     )
-    assert "failed in forward (Sequential.1)" in diagnosis and "backward (gradients) and an optimizer step" in diagnosis
+    assert "failed in forward (Sequential.0)" in diagnosis and "backward (gradients) and an optimizer step" in diagnosis
     assert "train(batch)" in captured.stdout  # the traceback goes through the user's function
-    # the failed cell's frames keep 80 MiB alive until %gpumem free
-    assert tracker.allocated() - baseline == 80 * MiB
+    # the failed cell's frames keep the batch x (4096 x 1024 float32 = 16 MiB) alive until %gpumem free
+    assert tracker.allocated() - baseline == 16 * MiB
     result, captured = run(shell, "%gpumem free")
-    assert "80.0 MiB came back" in plain(captured)
+    assert "16.0 MiB came back" in plain(captured)
     assert tracker.allocated() == baseline
     # the next cell runs; the whole step needs more than 100 MiB whatever the
     # batch (AdamW's state alone is 64 MiB), which the forward-time diagnosis said it could not see
