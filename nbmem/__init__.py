@@ -27,6 +27,8 @@ __all__ = [
     "History",
     "Tracker",
     "history",
+    "estimate",
+    "Estimate",
     "free",
     "Reclaimed",
     "diagnose",
@@ -48,6 +50,8 @@ _LAZY = {
     "History": "results",
     "Tracker": "tracking",
     "history": "magics",
+    "estimate": "estimation",
+    "Estimate": "estimation",
     "free": "reclaim",
     "Reclaimed": "reclaim",
     "diagnose": "diagnose",
@@ -61,6 +65,7 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from .devices import PRESETS
     from .diagnose import diagnose
+    from .estimation import Estimate, estimate
     from .magics import history
     from .reclaim import Reclaimed, free
     from .results import Breakdown

@@ -1,0 +1,404 @@
+"""Estimate before running: a full training step on fake tensors, no data, no real memory.
+
+``nbmem.estimate(build_model, make_batch, batch_size=64, precision="bf16",
+checkpointing=True, optimizer="adamw")`` builds the model and runs two
+optimizer steps (forward, loss, backward, step, zero_grad) under PyTorch's
+``FakeTensorMode``: every tensor has its shape, dtype and lifetime but no
+storage, so a model far larger than the machine costs nothing. nbmem's tracker
+accounts those fake storages exactly as it accounts real ones (a tracked real
+run of the same step gives the same bytes), with CUDA's 512 B rounding and the
+breakdown by category.
+
+The same step can also run for real, tracked (``fake=False``): that is how the
+tests check the estimate, and what a tracked sweep will use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import html
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .results import Breakdown
+from .scope import MemoryScope
+from .tracking import Tracker
+from .units import format_bytes
+
+__all__ = ["estimate", "Estimate", "PRECISIONS", "OPTIMIZERS", "repeated_blocks"]
+
+#: fp32; bf16/fp16 autocast (fp16 with a GradScaler); pure bf16/fp16 weights.
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-weights", "fp16-weights")
+
+#: Optimizer names and how nbmem builds them (learning rates don't change memory).
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.01),
+    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
+
+#: Memory outside PyTorch's tensors, listed beside an estimate and never added
+#: to it: (what, bytes, why). DESIGN.md; c10/cuda/CUDACachingAllocator.cpp.
+OVERHEADS = (
+    ("CUDA context", 512 * 1024**2, "300-700 MiB per process depending on GPU and CUDA version; outside PyTorch's allocator"),
+    ("cuBLAS workspace", 8 * 1024**2, "per cuBLAS handle through the caching allocator; 32 MiB on Hopper (H100, H200)"),
+)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a training step would allocate, from a run on fake tensors.
+
+    ``first_step`` is the first optimizer step's peak (no optimizer state
+    before it), ``steady`` a later step's (the state exists); ``peak`` the
+    larger. Bytes are CUDA-rounded allocated bytes of PyTorch tensors; the
+    fixed overheads are listed separately in ``overheads``.
+    """
+
+    batch_size: int
+    accumulation: int
+    precision: str
+    optimizer: str
+    checkpointing: str
+    parameters: int
+    first_step: int
+    steady: int
+    breakdown: Breakdown
+    capacity: int | None = None
+    capacity_label: str = ""
+    mode: str = "estimated"
+    notes: tuple[str, ...] = ()
+    overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
+
+    @property
+    def peak(self) -> int:
+        return max(self.first_step, self.steady)
+
+    @property
+    def effective_batch(self) -> int:
+        return self.batch_size * self.accumulation
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the peak fits the capacity (None without one); overheads not included."""
+        return None if self.capacity is None else self.peak <= self.capacity
+
+    def __str__(self) -> str:
+        accumulate = f" x {self.accumulation} micro-batches = {self.effective_batch}" if self.accumulation > 1 else ""
+        lines = [
+            f"gpumem estimate ({self.mode} on fake tensors, no data, nothing allocated): "
+            f"batch {self.batch_size}{accumulate}, {self.precision}, {self.optimizer}, checkpointing {self.checkpointing}",
+            f"  parameters       {self.parameters:,}",
+            f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
+            f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
+        ]
+        if self.capacity is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            lines.append(
+                f"  on {self.capacity_label or format_bytes(self.capacity)}  {verdict}: {format_bytes(self.peak)} of "
+                f"{format_bytes(self.capacity)} ({self.peak / self.capacity:.0%}), before the fixed overheads below"
+            )
+        lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
+        lines += [f"  not included: {name} about {format_bytes(size)} ({why})" for name, size, why in self.overheads]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        return f"<pre class='nbmem-estimate' style='font-size:12px'>{html.escape(str(self))}</pre>"
+
+
+def estimate(
+    model: nn.Module | Callable[[], nn.Module],
+    batch: Callable[[int], Any],
+    *,
+    batch_size: int,
+    loss: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
+    precision: str = "fp32",
+    checkpointing: bool | Callable[[nn.Module], bool] = False,
+    accumulation: int = 1,
+    foreach: bool | None = None,
+    device: int | str | None = None,
+    fake: bool = True,
+) -> Estimate:
+    """Estimate a training step's peak memory before running anything.
+
+    ``model`` is a module or, better for large models, a function that builds
+    one (it is called under fake tensors, so nothing is allocated). ``batch``
+    takes a batch size and returns the model's input: a tensor, an
+    ``(inputs, targets)`` tuple, or a dict of keyword arguments. ``loss(output,
+    batch)`` defaults to cross-entropy for integer targets, MSE for float
+    targets, the output's mean otherwise (or ``output.loss``). ``device`` is a
+    capacity to compare with (``"T4"``, ``"24GiB"``). Nothing the user built is
+    changed: a module is copied first.
+
+    >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
+    >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
+    >>> result.breakdown.category("parameter")   # 4198400 + 40960 + 512
+    4239872
+    """
+    knobs = _check(batch_size, precision, optimizer, accumulation)
+    capacity = label = None
+    if device is not None:
+        from .devices import parse_capacity
+
+        capacity, label = parse_capacity(device)
+    fake_mode = _fake_mode() if fake else None
+    notes: list[str] = []
+    tracker = Tracker("cpu")
+    outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    try:
+        # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
+        # versions don't model: estimate and tracked run both use the generic ones.
+        with torch.backends.mkldnn.flags(enabled=False), outer, MemoryScope(tracker=tracker):
+            network = _fresh_model(model, fake_mode)
+            chosen = _apply_precision_and_checkpointing(network, precision, checkpointing, notes)
+            make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+            optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
+            opt = make_optimizer(network.parameters(), **optimizer_kwargs)
+            scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
+            step = functools.partial(_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation)
+            peaks, breakdowns = [], []
+            for _ in range(2):
+                with MemoryScope(tracker=tracker) as one:
+                    step()
+                peaks.append(one.result.peak_allocated)
+                breakdowns.append(one.result.breakdown)
+            parameters = sum(parameter.numel() for parameter in network.parameters())
+    except _FAKE_ERRORS as error:
+        raise ValueError(
+            f"the model can't run on fake tensors ({type(error).__name__}: it reads a tensor's value, e.g. .item(), "
+            "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
+            "%%gpumem --backend tracked"
+        ) from error
+    if precision in ("bf16", "fp16"):
+        notes.append(
+            "autocast follows PyTorch's CPU op lists on fake tensors; CUDA's lists differ for some ops "
+            "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
+        )
+    notes.append("reserved (the caching allocator's cache) is not simulated yet: figures are allocated bytes")
+    notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
+    first, steady = peaks
+    return Estimate(
+        batch_size=batch_size,
+        accumulation=accumulation,
+        precision=precision,
+        optimizer=optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom"),
+        checkpointing=chosen,
+        parameters=parameters,
+        first_step=first,
+        steady=steady,
+        breakdown=breakdowns[0] if first >= steady else breakdowns[1],
+        capacity=capacity,
+        capacity_label=label or "",
+        mode="estimated" if fake else "tracked",
+        notes=tuple(notes),
+    )
+
+
+def _fake_errors() -> tuple[type[BaseException], ...]:
+    from torch._subclasses import fake_tensor
+
+    return (
+        fake_tensor.DataDependentOutputException,
+        fake_tensor.DynamicOutputShapeException,
+        fake_tensor.UnsupportedOperatorException,
+    )
+
+
+_FAKE_ERRORS = _fake_errors()
+
+
+def _fake_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()
+
+
+def _check(batch_size: Any, precision: str, optimizer: Any, accumulation: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive whole number, got {batch_size!r}")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}, or pass a function "
+            "that takes the parameters and returns a torch.optim.Optimizer"
+        )
+
+
+def _fresh_model(model: Any, fake_mode: Any) -> nn.Module:
+    """A model of nbmem's own: built by the factory, or copied (as fake tensors when estimating)."""
+    if isinstance(model, nn.Module):
+        if fake_mode is None:
+            return copy.deepcopy(model)
+        # Copy the module's structure, with every parameter and buffer replaced
+        # by a fake tensor of the same shape: the memo makes deepcopy use them.
+        memo: dict[int, Any] = {}
+        for parameter in model.parameters():
+            memo[id(parameter)] = nn.Parameter(fake_mode.from_tensor(parameter), requires_grad=parameter.requires_grad)
+        for buffer in model.buffers():
+            memo[id(buffer)] = fake_mode.from_tensor(buffer)
+        return copy.deepcopy(model, memo)
+    if callable(model):
+        copies = _FakeDeepcopy() if fake_mode is not None else contextlib.nullcontext()
+        with copies:
+            built = model()
+        if not isinstance(built, nn.Module):
+            raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
+        return built
+    raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+
+
+class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
+    """Deep copies of fake tensors while a model is built, in the same fake mode.
+
+    Models clone their blocks with ``copy.deepcopy`` (``nn.TransformerEncoder``
+    does); a fake tensor's own deepcopy lands in a new FakeTensorMode, which
+    then can't mix with the rest. A copy is a fresh tensor of the same shape
+    and dtype in the current mode: distinct storage, as a real copy has.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.__deepcopy__:
+            from torch._subclasses.fake_tensor import FakeTensor
+
+            tensor, memo = args
+            if isinstance(tensor, FakeTensor) or isinstance(getattr(tensor, "data", None), FakeTensor):
+                if id(tensor) in memo:
+                    return memo[id(tensor)]
+                copied = torch.empty_like(tensor.data if isinstance(tensor, nn.Parameter) else tensor)
+                if isinstance(tensor, nn.Parameter):
+                    copied = nn.Parameter(copied, requires_grad=tensor.requires_grad)
+                else:
+                    copied.requires_grad_(tensor.requires_grad)
+                memo[id(tensor)] = copied
+                return copied
+        return func(*args, **(kwargs or {}))
+
+
+def repeated_blocks(model: nn.Module) -> type[nn.Module] | None:
+    """The block type to checkpoint: the outermost module type with parameters that repeats.
+
+    >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64), 3, enable_nested_tensor=False)
+    >>> repeated_blocks(encoder).__name__
+    'TransformerEncoderLayer'
+    """
+    depths: dict[type, list[int]] = {}
+    for name, module in model.named_modules():
+        if name and any(True for _ in module.children()) and any(True for _ in module.parameters()):
+            depths.setdefault(type(module), []).append(name.count("."))
+    repeated = [(min(levels), kind) for kind, levels in depths.items() if len(levels) >= 2]
+    return min(repeated, key=lambda item: item[0])[1] if repeated else None
+
+
+def _apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpointing: Any, notes: list[str]) -> str:
+    if precision.endswith("-weights"):
+        # module.to() swaps fake tensors in place, which FakeTensorMode's own weak
+        # references forbid: give nbmem's copy new parameters of the new dtype.
+        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        for module in model.modules():
+            for name, parameter in module._parameters.items():
+                if parameter is not None and parameter.is_floating_point():
+                    module._parameters[name] = nn.Parameter(parameter.detach().to(dtype), parameter.requires_grad)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[name] = buffer.to(dtype)
+    if not checkpointing:
+        return "off"
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    if callable(checkpointing):
+        check, chosen = checkpointing, "on (your predicate)"
+    else:
+        block = repeated_blocks(model)
+        if block is None:
+            notes.append("checkpointing: no repeated block with parameters found; pass checkpointing=<predicate>")
+            return "off (no repeated block)"
+        check, chosen = (lambda module: isinstance(module, block)), f"on ({block.__name__})"
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=check)
+    return chosen
+
+
+def _step(model, batch_fn, batch_size, loss_fn, optimizer, scaler, precision, accumulation) -> None:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    for _ in range(accumulation):
+        inputs = _checked_batch(batch_fn(batch_size), batch_size)
+        if precision.endswith("-weights"):
+            weight_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+            inputs = _cast_floats(inputs, weight_dtype)
+        autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with autocast:
+            output = _forward(model, inputs)
+            value = loss_fn(output, inputs) if loss_fn is not None else _default_loss(output, inputs)
+        (scaler.scale(value) if scaler is not None else value).backward()
+        del output, value, inputs
+    if scaler is not None:
+        # GradScaler.step reads the found-inf flag with .item(), which fake
+        # tensors can't answer; the memory is the same: unscale, step, update.
+        scaler.unscale_(optimizer)
+        optimizer.step()
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _checked_batch(value: Any, batch_size: int) -> Any:
+    if isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and value and all(isinstance(item, torch.Tensor) for item in value)
+    ) or (isinstance(value, dict) and value and all(isinstance(item, torch.Tensor) for item in value.values())):
+        return value
+    raise ValueError(
+        f"the batch factory returned {type(value).__name__} for batch_size={batch_size}: it must return a tensor, "
+        "a tuple (inputs, targets) of tensors, or a dict of tensors passed to the model as keyword arguments"
+    )
+
+
+def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    cast = lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor  # noqa: E731
+    if isinstance(value, torch.Tensor):
+        return cast(value)
+    if isinstance(value, dict):
+        return {key: cast(item) for key, item in value.items()}
+    return type(value)(cast(item) for item in value)
+
+
+def _forward(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs[0])
+
+
+def _default_loss(output: Any, inputs: Any) -> torch.Tensor:
+    if hasattr(output, "loss") and isinstance(output.loss, torch.Tensor):
+        return output.loss
+    if isinstance(output, (tuple, list)):  # e.g. an LSTM's (output, (h, c))
+        output = output[0]
+    targets = inputs[1] if isinstance(inputs, (tuple, list)) and len(inputs) > 1 else None
+    if targets is not None and not targets.is_floating_point() and output.dim() >= 2:
+        return nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten())
+    if targets is not None and targets.is_floating_point() and targets.shape == output.shape:
+        return nn.functional.mse_loss(output.float(), targets.float())
+    return output.float().mean()

@@ -1,0 +1,169 @@
+"""nbmem.estimate on fake tensors against the same step run for real, tracked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nbmem
+from nbmem.estimation import estimate, repeated_blocks
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def cnn():
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )
+
+
+class Transformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        layer = nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+        self.head = nn.Linear(64, 100)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)))
+
+
+class Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(32, 64, num_layers=2, batch_first=True)
+        self.head = nn.Linear(64, 5)
+
+    def forward(self, x):
+        return self.head(self.lstm(x)[0][:, -1])
+
+
+FAMILIES = {
+    "mlp": (mlp, lambda n: (torch.randn(n, 256), torch.randint(0, 10, (n,)))),
+    "cnn": (cnn, lambda n: (torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,)))),
+    "transformer": (Transformer, lambda n: (torch.randint(0, 100, (n, 24)), torch.randint(0, 100, (n, 24)))),
+    "lstm": (Recurrent, lambda n: (torch.randn(n, 12, 32), torch.randint(0, 5, (n,)))),
+}
+
+KNOBS = [
+    {},
+    {"precision": "bf16"},
+    {"precision": "fp16"},
+    {"precision": "bf16-weights"},
+    {"checkpointing": True},
+    {"optimizer": "sgd-momentum", "foreach": False},
+    {"optimizer": "adam", "foreach": True},
+    {"optimizer": "adagrad"},
+    {"optimizer": "rmsprop"},
+    {"accumulation": 3},
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("knobs", KNOBS, ids=lambda knobs: ",".join(f"{k}={v}" for k, v in knobs.items()) or "fp32")
+def test_estimate_agrees_with_a_tracked_real_run(family, knobs):
+    build, make = FAMILIES[family]
+    if family == "lstm" and knobs.get("precision") == "fp16":
+        pytest.skip("CPU autocast has no fp16 LSTM kernel")
+    torch.manual_seed(0)
+    estimated = estimate(build, make, batch_size=8, **knobs)
+    torch.manual_seed(0)
+    tracked = estimate(build, make, batch_size=8, fake=False, **knobs)
+    assert (estimated.mode, tracked.mode) == ("estimated", "tracked")
+    assert estimated.peak == pytest.approx(tracked.peak, rel=0.01)
+    assert estimated.steady == pytest.approx(tracked.steady, rel=0.01)
+    assert sum(size for _, size in estimated.breakdown.at_peak) == estimated.peak
+
+
+def test_exact_parameters_and_state_for_an_mlp():
+    result = estimate(mlp, FAMILIES["mlp"][1], batch_size=32, optimizer="adamw")
+    parameters = 256 * 512 * 4 + 512 * 4 + 512 * 10 * 4 + 512  # 10 float32 biases -> one 512 B block
+    assert result.parameters == 256 * 512 + 512 + 512 * 10 + 10
+    assert result.breakdown.category("parameter") == parameters
+    assert dict(result.breakdown.after)["optimizer state"] == 2 * parameters + 4 * 512
+
+
+def test_knobs_move_memory_the_right_way():
+    build, make = FAMILIES["transformer"]
+    base = estimate(build, make, batch_size=16)
+    bf16 = estimate(build, make, batch_size=16, precision="bf16-weights").breakdown.category("parameter")
+    fp32 = base.breakdown.category("parameter")
+    tensors = len(list(build().parameters()))
+    # half the bytes, but each tensor still rounds up to whole 512 B blocks
+    assert fp32 // 2 <= bf16 <= fp32 // 2 + 512 * tensors
+    sgd = estimate(build, make, batch_size=16, optimizer="sgd")
+    assert dict(sgd.breakdown.after)["optimizer state"] == 0 < dict(base.breakdown.after)["optimizer state"]
+    big = estimate(build, make, batch_size=64)
+    accumulated = estimate(build, make, batch_size=16, accumulation=4)
+    assert accumulated.effective_batch == 64 and accumulated.peak < big.peak
+    checkpointed = estimate(build, make, batch_size=64, checkpointing=True)
+    assert checkpointed.checkpointing == "on (TransformerEncoderLayer)"
+    assert checkpointed.peak < big.peak
+
+
+def test_a_module_instance_is_copied_not_changed():
+    model = Transformer()
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    estimate(model, FAMILIES["transformer"][1], batch_size=4, checkpointing=True)
+    assert all(parameter.grad is None for parameter in model.parameters())
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert not any("checkpoint" in type(module).__name__.lower() for module in model.modules())
+    assert not isinstance(next(model.parameters()), torch._subclasses.fake_tensor.FakeTensor)
+
+
+def test_capacity_verdict():
+    result = estimate(mlp, FAMILIES["mlp"][1], batch_size=8, device="1MiB")
+    assert result.fits is False and "does NOT fit" in str(result)
+    assert estimate(mlp, FAMILIES["mlp"][1], batch_size=8, device="T4").fits is True
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"batch_size": 0}, "positive whole number"),
+        ({"batch_size": 8, "precision": "fp8"}, "use one of fp32, bf16, fp16, bf16-weights, fp16-weights"),
+        ({"batch_size": 8, "optimizer": "lion"}, "use one of sgd, sgd-momentum, adam, adamw, adagrad, rmsprop"),
+        ({"batch_size": 8, "accumulation": 0}, "micro-batches"),
+        ({"batch_size": 8, "device": "T5000"}, "A100-40GB"),
+    ],
+)
+def test_bad_input_names_what_is_accepted(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        estimate(mlp, FAMILIES["mlp"][1], **arguments)
+
+
+def test_bad_batch_factory_and_model():
+    with pytest.raises(ValueError, match="must return a tensor, a tuple"):
+        estimate(mlp, lambda n: [1, 2, 3], batch_size=4)
+    with pytest.raises(ValueError, match="must return a torch.nn.Module"):
+        estimate(lambda: "model", FAMILIES["mlp"][1], batch_size=4)
+
+
+class ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum().item() > 0:  # data-dependent control flow
+            return self.linear(x)
+        return x
+
+
+def test_a_model_that_reads_values_gets_advice_to_track():
+    with pytest.raises(ValueError, match="can't run on fake tensors.*nbmem.track"):
+        estimate(ReadsValues, lambda n: torch.randn(n, 8), batch_size=4)
+
+
+def test_repeated_blocks_picks_the_outermost_repeated_type():
+    assert repeated_blocks(Transformer()) is nn.TransformerEncoderLayer
+    assert repeated_blocks(mlp()) is None
+
+
+def test_exported_from_the_package():
+    assert nbmem.estimate is estimate
