@@ -29,6 +29,8 @@ __all__ = [
     "history",
     "estimate",
     "Estimate",
+    "sweep",
+    "Comparison",
     "free",
     "Reclaimed",
     "diagnose",
@@ -51,6 +53,8 @@ _LAZY = {
     "Tracker": "tracking",
     "history": "magics",
     "estimate": "estimation",
+    "sweep": "whatif",
+    "Comparison": "whatif",
     "Estimate": "estimation",
     "free": "reclaim",
     "Reclaimed": "reclaim",
@@ -66,6 +70,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .devices import PRESETS
     from .diagnose import diagnose
     from .estimation import Estimate, estimate
+    from .whatif import Comparison, sweep
     from .magics import history
     from .reclaim import Reclaimed, free
     from .results import Breakdown

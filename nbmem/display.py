@@ -144,6 +144,52 @@ def show_timeline(timeline: Any) -> None:
     _publish({"image/png": _figure_png(timeline_figure(timeline)), "text/plain": str(timeline)})
 
 
+def comparison_figure(comparison: Any, kind: str = "lines") -> Any:
+    """A sweep's chart: peak against batch size per variant, or stacked categories per configuration."""
+    from matplotlib.figure import Figure
+
+    from .results import CATEGORIES, _COLOURS
+
+    unit, scale = comparison.unit
+    figure = Figure(figsize=(7, 3.6), layout="constrained")
+    axes = figure.add_subplot()
+    if kind == "lines":
+        row_axis, row_values, columns, cells = comparison._grid()
+        for key in columns:
+            points = [(value, cells[(value, key)].peak) for value in row_values if cells.get((value, key)) is not None]
+            fitted = [(value, peak / scale) for value, peak in points if peak is not None]
+            if fitted:
+                axes.plot(*zip(*fitted), marker="o", label=comparison._column_name(key))
+            failed = [value for value, peak in points if peak is None]
+            if failed:
+                axes.scatter(failed, [0] * len(failed), marker="x", color="#b00020", label=f"OOM ({comparison._column_name(key)})")
+        if comparison.capacity is not None:
+            axes.axhline(comparison.capacity / scale, color="#b00020", linestyle="--",
+                         label=f"capacity {comparison.capacity_label or ''}".strip())
+        axes.set_xlabel(row_axis or "configuration")
+        if row_axis == "batch_size":
+            axes.set_xscale("log", base=2)
+            axes.set_xticks(row_values, [str(value) for value in row_values])
+            axes.minorticks_off()
+        axes.set_ylim(bottom=0)  # from zero: differences look as large as they are
+    else:
+        labels = [", ".join(f"{value}" for _, value in row.config) for row in comparison.rows]
+        bottoms = [0.0] * len(comparison.rows)
+        for name in CATEGORIES:
+            heights = [
+                (dict(row.result.breakdown.at_peak)[name] / scale) if row.result is not None else 0.0
+                for row in comparison.rows
+            ]
+            if any(heights):
+                axes.bar(range(len(heights)), heights, bottom=bottoms, color=_COLOURS[name], label=name)
+                bottoms = [bottom + height for bottom, height in zip(bottoms, heights)]
+        axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
+    axes.set_ylabel(f"peak allocated ({unit})")
+    axes.set_title(f"gpumem sweep ({comparison.mode})", fontsize=10)
+    axes.legend(fontsize=7)
+    return figure
+
+
 def _short(text: str, width: int = 28) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 

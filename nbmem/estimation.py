@@ -131,6 +131,7 @@ def estimate(
     foreach: bool | None = None,
     device: int | str | None = None,
     fake: bool = True,
+    enforce_capacity: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -162,7 +163,8 @@ def estimate(
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        with torch.backends.mkldnn.flags(enabled=False), outer, MemoryScope(tracker=tracker):
+        limit = capacity if enforce_capacity else None
+        with torch.backends.mkldnn.flags(enabled=False), outer, MemoryScope(tracker=tracker, capacity=limit):
             network = _fresh_model(model, fake_mode)
             chosen = _apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer

@@ -1,0 +1,230 @@
+"""What-if: the same workload over batch sizes, precisions, checkpointing, optimizers, accumulation.
+
+``nbmem.sweep(build_model, make_batch, batch_size=[8, 16, 32], precision=["fp32",
+"bf16"])`` runs every combination, each isolated (a fresh model and optimizer),
+estimated on fake tensors or tracked for real, and returns a
+:class:`Comparison`: a table with one shared unit, its records, and charts.
+"""
+
+from __future__ import annotations
+
+import gc
+import html
+import itertools
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+
+from .estimation import Estimate, estimate
+from .results import CATEGORIES, text_table
+from .units import format_bytes
+
+__all__ = ["sweep", "Comparison", "SweepRow", "AXES"]
+
+#: The knobs a sweep can vary, in the order a table shows them.
+AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation")
+
+_UNITS = (("B", 1), ("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3), ("TiB", 1024**4))
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One configuration of a sweep and what it gave: an estimate, or the error that stopped it."""
+
+    config: tuple[tuple[str, Any], ...]
+    result: Estimate | None
+    error: str | None = None
+
+    @property
+    def peak(self) -> int | None:
+        return None if self.result is None else self.result.peak
+
+    def value(self, axis: str) -> Any:
+        return dict(self.config)[axis]
+
+
+class Comparison:
+    """A sweep's results side by side: scenario rows, variant columns, one unit for all."""
+
+    def __init__(self, rows: list[SweepRow], axes: tuple[str, ...], mode: str, capacity: int | None, label: str) -> None:
+        self.rows = rows
+        self.axes = axes  # the axes that were swept (more than one value)
+        self.mode = mode
+        self.capacity = capacity
+        self.capacity_label = label
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterable[SweepRow]:
+        return iter(self.rows)
+
+    @property
+    def unit(self) -> tuple[str, int]:
+        """The one unit of the whole table: the largest peak's."""
+        top = max((row.peak or 0 for row in self.rows), default=0)
+        name, size = _UNITS[0]
+        for candidate, candidate_size in _UNITS:
+            if top >= candidate_size:
+                name, size = candidate, candidate_size
+        return name, size
+
+    def _grid(self) -> tuple[str | None, list[Any], list[tuple], dict]:
+        """(row axis, row values, column keys, {(row value, column key): SweepRow})."""
+        row_axis = "batch_size" if "batch_size" in self.axes else (self.axes[0] if self.axes else None)
+        column_axes = [axis for axis in self.axes if axis != row_axis]
+        row_values = list(dict.fromkeys(row.value(row_axis) for row in self.rows)) if row_axis else [None]
+        columns = list(dict.fromkeys(tuple(row.value(axis) for axis in column_axes) for row in self.rows))
+        cells = {
+            (row.value(row_axis) if row_axis else None, tuple(row.value(axis) for axis in column_axes)): row
+            for row in self.rows
+        }
+        return row_axis, row_values, columns, cells
+
+    def _column_name(self, key: tuple) -> str:
+        column_axes = [axis for axis in self.axes if axis != self._grid()[0]]
+        return ", ".join(f"{axis}={value}" for axis, value in zip(column_axes, key)) or "peak"
+
+    def _cell(self, row: SweepRow | None) -> str:
+        if row is None:
+            return ""
+        if row.error:
+            return row.error
+        unit, size = self.unit
+        text = f"{row.peak / size:.3g}"
+        if self.capacity is not None and row.peak > self.capacity:
+            text += " (no fit)"
+        return text
+
+    def table_rows(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        row_axis, row_values, columns, cells = self._grid()
+        header = (row_axis or "", *(self._column_name(key) for key in columns))
+        body = [(str(value), *(self._cell(cells.get((value, key))) for key in columns)) for value in row_values]
+        return header, body
+
+    def __str__(self) -> str:
+        unit, _ = self.unit
+        header, body = self.table_rows()
+        fits = f"; capacity {self.capacity_label or format_bytes(self.capacity)}" if self.capacity is not None else ""
+        head = f"gpumem sweep: peak allocated in {unit}, {self.mode}{fits}"
+        return "\n".join([head, *text_table(header, body)])
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        unit, _ = self.unit
+        header, body = self.table_rows()
+        head = "".join(f"<th style='text-align:right'>{html.escape(name)}</th>" for name in header)
+        rows = "".join(
+            "<tr>" + "".join(f"<td style='text-align:right'>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in body
+        )
+        return (
+            f"<div class='nbmem-sweep'><b>gpumem sweep</b>: peak allocated in {unit}, {html.escape(self.mode)}"
+            f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
+        )
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One dict per configuration: its knobs, peaks (bytes), the breakdown at the peak, or the error."""
+        records = []
+        for row in self.rows:
+            record: dict[str, Any] = dict(row.config)
+            record["mode"] = self.mode
+            record["error"] = row.error
+            if row.result is not None:
+                record.update(first_step=row.result.first_step, steady=row.result.steady, peak=row.result.peak)
+                record.update({f"peak_{name.replace(' ', '_')}": size for name, size in row.result.breakdown.at_peak})
+            records.append(record)
+        return records
+
+    def to_dataframe(self) -> Any:
+        try:
+            import pandas
+        except ImportError as error:
+            raise ImportError("Comparison.to_dataframe() needs pandas: `pip install pandas`, or use to_records()") from error
+        return pandas.DataFrame.from_records(self.to_records())
+
+    def plot(self, kind: str = "lines") -> Any:
+        """``"lines"``: peak against batch size, one line per variant, the capacity as a line;
+        ``"breakdown"``: stacked category bars at the peak, one per configuration."""
+        from .display import comparison_figure
+
+        if kind not in ("lines", "breakdown"):
+            raise ValueError(f"unknown plot kind {kind!r}: use 'lines' or 'breakdown'")
+        return comparison_figure(self, kind)
+
+
+def _values(name: str, value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple, range)):
+        if not value:
+            raise ValueError(f"{name} has no values to sweep over")
+        return list(value)
+    return [value]
+
+
+def sweep(
+    model: Any,
+    batch: Any,
+    *,
+    batch_size: int | Iterable[int],
+    precision: str | Iterable[str] = "fp32",
+    checkpointing: Any = False,
+    optimizer: Any = "adamw",
+    accumulation: int | Iterable[int] = 1,
+    mode: str = "estimated",
+    device: int | str | None = None,
+    loss: Any = None,
+    foreach: bool | None = None,
+) -> Comparison:
+    """Run every combination of the knobs and compare their peaks.
+
+    Each knob takes one value or a list. ``mode`` is ``"estimated"`` (fake
+    tensors: no memory, any size) or ``"tracked"`` (the step really runs on
+    this machine's CPU, each tensor accounted). ``device`` (``"T4"``,
+    ``"16GiB"``) adds a capacity: estimates past it are marked, and a tracked
+    run that crosses it fails with an out-of-memory error, recorded as OOM,
+    after which the sweep goes on.
+
+    >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    >>> make = lambda n: (torch.randn(n, 64), torch.randint(0, 4, (n,)))
+    >>> table = sweep(build, make, batch_size=[8, 16], optimizer=["sgd", "adamw"])
+    >>> [record["optimizer"] for record in table.to_records()]
+    ['sgd', 'adamw', 'sgd', 'adamw']
+    """
+    if mode not in ("estimated", "tracked"):
+        raise ValueError(
+            f"unknown mode {mode!r}: use 'estimated' (fake tensors) or 'tracked' (a real run on the CPU); "
+            "measured sweeps on CUDA are not built yet"
+        )
+    grid = {
+        "batch_size": _values("batch_size", batch_size),
+        "precision": _values("precision", precision),
+        "checkpointing": _values("checkpointing", checkpointing),
+        "optimizer": _values("optimizer", optimizer),
+        "accumulation": _values("accumulation", accumulation),
+    }
+    capacity = label = None
+    if device is not None:
+        from .devices import parse_capacity
+
+        capacity, label = parse_capacity(device)
+    rows = []
+    for combination in itertools.product(*grid.values()):
+        config = tuple(zip(grid, combination))
+        options = dict(config)
+        try:
+            result = estimate(model, batch, loss=loss, foreach=foreach, device=device, fake=mode == "estimated",
+                              **_enforced(mode, capacity), **options)
+            rows.append(SweepRow(config, result))
+        except torch.OutOfMemoryError:
+            rows.append(SweepRow(config, None, "OOM"))
+        finally:
+            gc.collect()  # each configuration starts from what the previous one left: nothing
+    swept = tuple(axis for axis in AXES if len(grid[axis]) > 1)
+    return Comparison(rows, swept, mode, capacity, label or "")
+
+
+def _enforced(mode: str, capacity: int | None) -> dict[str, Any]:
+    """A tracked run enforces the capacity (the op that crosses it raises); an estimate only compares."""
+    return {"enforce_capacity": capacity is not None and mode == "tracked"}

@@ -1,0 +1,72 @@
+"""nbmem.sweep: every combination, isolated, in a comparison table with one unit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nbmem
+from nbmem.whatif import Comparison
+
+MiB = 1024**2
+
+
+def build():
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+
+
+def make(n):
+    return torch.randn(n, 256), torch.randn(n, 256)
+
+
+def test_grid_isolated_and_equal_to_single_estimates():
+    table = nbmem.sweep(build, make, batch_size=[8, 32], optimizer=["sgd", "adamw"])
+    assert isinstance(table, Comparison) and len(table) == 4 and table.axes == ("batch_size", "optimizer")
+    for row in table.rows:
+        alone = nbmem.estimate(build, make, **dict(row.config))
+        assert row.result.peak == alone.peak  # isolated: nothing carried over between configurations
+    records = table.to_records()
+    assert [(r["batch_size"], r["optimizer"]) for r in records] == [(8, "sgd"), (8, "adamw"), (32, "sgd"), (32, "adamw")]
+    assert all(r["peak"] == r["peak_parameter"] + r["peak_buffer"] + r["peak_optimizer_state"] + r["peak_gradient"]
+               + r["peak_activation"] + r["peak_other"] for r in records)
+    frame = table.to_dataframe()
+    assert list(frame.columns[:5]) == ["batch_size", "precision", "checkpointing", "optimizer", "accumulation"]
+
+
+def test_table_has_one_shared_unit_and_marks_what_does_not_fit():
+    table = nbmem.sweep(build, make, batch_size=[8, 64], precision=["fp32", "bf16-weights"], device="2MiB")
+    text = str(table)
+    assert text.splitlines()[0] == "gpumem sweep: peak allocated in MiB, estimated; capacity 2MiB"
+    assert "precision=fp32" in text and "precision=bf16-weights" in text and "(no fit)" in text
+    assert "<table>" in table._repr_html_()
+
+
+def test_tracked_sweep_records_oom_and_goes_on():
+    # parameters alone are 2 x 1 MiB; batch 4096 needs more than 8 MiB, batch 8 does not
+    table = nbmem.sweep(build, make, batch_size=[4096, 8], mode="tracked", optimizer="sgd", device="8MiB")
+    first, second = table.rows
+    assert (first.error, first.result) == ("OOM", None)
+    assert second.error is None and second.result.mode == "tracked" and second.result.peak < 8 * MiB
+    assert "OOM" in str(table)
+
+
+def test_plots():
+    table = nbmem.sweep(build, make, batch_size=[8, 16, 32], precision=["fp32", "bf16"], device="4MiB")
+    lines = table.plot()
+    axes = lines.axes[0]
+    assert len(axes.get_lines()) == 3  # two variants and the capacity line
+    assert axes.get_xscale() == "log"
+    bars = table.plot("breakdown")
+    assert len(bars.axes[0].get_xticklabels()) == 6
+    with pytest.raises(ValueError, match="'lines' or 'breakdown'"):
+        table.plot("pie")
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="measured sweeps on CUDA are not built yet"):
+        nbmem.sweep(build, make, batch_size=8, mode="measured")
+    with pytest.raises(ValueError, match="no values"):
+        nbmem.sweep(build, make, batch_size=[])
+    with pytest.raises(ValueError, match="positive whole number"):
+        nbmem.sweep(build, make, batch_size=[8, -1])
