@@ -164,7 +164,7 @@ def estimate(
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
         limit = capacity if enforce_capacity else None
-        with torch.backends.mkldnn.flags(enabled=False), outer, MemoryScope(tracker=tracker, capacity=limit):
+        with _without_onednn(), outer, MemoryScope(tracker=tracker, capacity=limit):
             network = _fresh_model(model, fake_mode)
             chosen = _apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
@@ -208,6 +208,17 @@ def estimate(
         mode="estimated" if fake else "tracked",
         notes=tuple(notes),
     )
+
+
+@contextlib.contextmanager
+def _without_onednn() -> Any:
+    """oneDNN off, and back as it was (mkldnn.flags() also resets TF32 and warns each time)."""
+    previous = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = previous
 
 
 def _fake_errors() -> tuple[type[BaseException], ...]:
