@@ -31,6 +31,7 @@ __all__ = [
     "Estimate",
     "sweep",
     "Comparison",
+    "max_batch_size",
     "free",
     "Reclaimed",
     "diagnose",
@@ -54,6 +55,7 @@ _LAZY = {
     "history": "magics",
     "estimate": "estimation",
     "sweep": "whatif",
+    "max_batch_size": "whatif",
     "Comparison": "whatif",
     "Estimate": "estimation",
     "free": "reclaim",
@@ -70,7 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .devices import PRESETS
     from .diagnose import diagnose
     from .estimation import Estimate, estimate
-    from .whatif import Comparison, sweep
+    from .whatif import Comparison, max_batch_size, sweep
     from .magics import history
     from .reclaim import Reclaimed, free
     from .results import Breakdown

@@ -20,7 +20,7 @@ from .estimation import Estimate, estimate
 from .results import CATEGORIES, text_table
 from .units import format_bytes
 
-__all__ = ["sweep", "Comparison", "SweepRow", "AXES"]
+__all__ = ["sweep", "Comparison", "SweepRow", "AXES", "max_batch_size", "BatchSizeResult"]
 
 #: The knobs a sweep can vary, in the order a table shows them.
 AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation")
@@ -228,3 +228,141 @@ def sweep(
 def _enforced(mode: str, capacity: int | None) -> dict[str, Any]:
     """A tracked run enforces the capacity (the op that crosses it raises); an estimate only compares."""
     return {"enforce_capacity": capacity is not None and mode == "tracked"}
+
+
+@dataclass(frozen=True)
+class BatchSizeResult:
+    """The largest batch that fits a capacity: predicted from estimates, then verified for real."""
+
+    batch_size: int  # the largest size a real trial ran within the capacity (0 if even 1 did not)
+    predicted: int  # what the estimates predicted before any real trial
+    capacity: int
+    capacity_label: str
+    mode: str
+    trials: tuple[tuple[int, int | None], ...]  # (batch size, peak) per real trial; None: out of memory
+    estimates: int  # fake-tensor estimates used for the prediction
+    limit: int
+
+    @property
+    def real_trials(self) -> int:
+        return len(self.trials)
+
+    def accumulation_for(self, effective_batch: int) -> int:
+        """Micro-batches of ``batch_size`` per optimizer step to reach ``effective_batch``."""
+        if self.batch_size < 1:
+            raise ValueError("no batch size fits, so no effective batch is reachable")
+        return -(-effective_batch // self.batch_size)
+
+    def __str__(self) -> str:
+        tried = ", ".join(f"{size} {'OOM' if peak is None else format_bytes(peak)}" for size, peak in self.trials)
+        return (
+            f"gpumem max_batch_size on {self.capacity_label or format_bytes(self.capacity)}: {self.batch_size}"
+            f" (predicted {self.predicted} from {self.estimates} estimates; verified with {self.real_trials} real"
+            f" {self.mode} trials: {tried})\n"
+            f"  a larger effective batch: micro-batches of {self.batch_size} with gradient accumulation,"
+            f" e.g. {self.batch_size * 4} = {self.batch_size} x 4"
+        )
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def _boundary(fits: Any, start: int, limit: int) -> int:
+    """The largest size in 1..limit for which ``fits`` holds, searched outwards from ``start``.
+
+    Steps away from ``start`` with a doubling stride until the answer changes,
+    then bisects; every returned size was tried, and so was the one above it
+    (unless it is ``limit``). 0 when even 1 does not fit.
+    """
+    if fits(start):
+        low, step = start, 1
+        while low < limit:
+            probe = min(low + step, limit)
+            if not fits(probe):
+                high = probe
+                break
+            low, step = probe, step * 2
+        else:
+            return limit
+    else:
+        high, step = start, 1
+        while True:
+            probe = high - step
+            if probe < 1:
+                low = 0
+                break
+            if fits(probe):
+                low = probe
+                break
+            high, step = probe, step * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def max_batch_size(
+    model: Any,
+    batch: Any,
+    *,
+    device: int | str,
+    precision: str = "fp32",
+    checkpointing: Any = False,
+    optimizer: Any = "adamw",
+    loss: Any = None,
+    foreach: bool | None = None,
+    limit: int = 1 << 16,
+) -> BatchSizeResult:
+    """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
+
+    First predicted from fake-tensor estimates (fixed memory plus memory per
+    sample, extrapolated, then refined on estimates), then verified for real:
+    on this CPU the step runs tracked on a virtual device of that capacity.
+    The answer is always a size that ran, with the next size up seen to fail
+    (or ``limit`` reached): memory is not always monotonic in batch size, so
+    nothing untested is returned.
+
+    >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
+    >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
+    >>> found = max_batch_size(build, make, device="8MiB", optimizer="sgd")
+    >>> sizes = dict(found.trials)
+    >>> sizes[found.batch_size] is not None and sizes[found.batch_size + 1] is None   # tested on both sides
+    True
+    """
+    from .devices import parse_capacity
+
+    capacity, label = parse_capacity(device)
+    options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach)
+    estimates = 0
+
+    def estimated(size: int) -> int:
+        nonlocal estimates
+        estimates += 1
+        return estimate(model, batch, batch_size=size, **options).peak
+
+    # memory = fixed + per_sample * batch, from two estimates, then the
+    # boundary on estimates alone (cheap: no memory, no data)
+    at_one, at_eight = estimated(1), estimated(8)
+    per_sample = max((at_eight - at_one) / 7, 1.0)
+    guess = max(1, min(int((capacity - at_one) // per_sample) + 1, limit))
+    predicted = _boundary(lambda size: estimated(size) <= capacity, guess, limit)
+
+    trials: list[tuple[int, int | None]] = []
+
+    def fits(size: int) -> bool:
+        try:
+            result = estimate(model, batch, batch_size=size, fake=False, device=capacity, enforce_capacity=True, **options)
+        except torch.OutOfMemoryError:
+            trials.append((size, None))
+            return False
+        finally:
+            gc.collect()
+        trials.append((size, result.peak))
+        return True
+
+    # verify for real around the prediction: both sides of the boundary are tried
+    found = _boundary(fits, max(predicted, 1), limit)
+    return BatchSizeResult(found, predicted, capacity, label, "tracked", tuple(trials), estimates, limit)

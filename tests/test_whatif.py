@@ -70,3 +70,37 @@ def test_bad_input():
         nbmem.sweep(build, make, batch_size=[])
     with pytest.raises(ValueError, match="positive whole number"):
         nbmem.sweep(build, make, batch_size=[8, -1])
+
+
+def classify_build():
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
+
+
+def classify_make(n):
+    return torch.randn(n, 256), torch.randint(0, 256, (n,))
+
+
+def test_max_batch_size_is_verified_on_both_sides():
+    found = nbmem.max_batch_size(classify_build, classify_make, device="8MiB")
+    trials = dict(found.trials)
+    assert trials[found.batch_size] is not None and trials[found.batch_size] <= 8 * MiB
+    assert trials[found.batch_size + 1] is None  # the next size up was tried and did not fit
+    assert found.predicted == found.batch_size and found.real_trials == 2  # estimates were exact here
+    assert found.accumulation_for(4 * found.batch_size + 1) == 5
+    assert f"verified with {found.real_trials} real tracked trials" in str(found)
+
+
+def test_max_batch_size_corrects_a_wrong_prediction_with_real_trials():
+    # CPU's mse_loss keeps a batch-sized buffer under its scalar result, which
+    # the fake (meta) kernel does not: the estimate is a little optimistic
+    found = nbmem.max_batch_size(classify_build, make, device="8MiB")
+    trials = dict(found.trials)
+    assert trials[found.batch_size] is not None and trials[found.batch_size + 1] is None
+    assert found.batch_size <= found.predicted
+
+
+def test_max_batch_size_when_nothing_fits():
+    found = nbmem.max_batch_size(classify_build, classify_make, device="64KiB")
+    assert found.batch_size == 0 and dict(found.trials)[1] is None
+    with pytest.raises(ValueError, match="no batch size fits"):
+        found.accumulation_for(8)
