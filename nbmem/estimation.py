@@ -72,6 +72,8 @@ class Estimate:
     first_step: int
     steady: int
     breakdown: Breakdown
+    #: The simulated caching allocator's reserved peak (see nbmem.allocator).
+    reserved: int | None = None
     capacity: int | None = None
     capacity_label: str = ""
     mode: str = "estimated"
@@ -100,6 +102,11 @@ class Estimate:
             f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
             f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
         ]
+        if self.reserved is not None:
+            lines.append(
+                f"  reserved peak    {format_bytes(self.reserved)} (simulated caching allocator: cached blocks and "
+                "segment tails included; roughly what nvidia-smi shows, less the CUDA context)"
+            )
         if self.capacity is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             lines.append(
@@ -159,6 +166,9 @@ def estimate(
     fake_mode = _fake_mode() if fake else None
     notes: list[str] = []
     tracker = Tracker("cpu")
+    from .allocator import CachingAllocatorSimulation
+
+    tracker.simulator = simulation = CachingAllocatorSimulation()
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
@@ -190,7 +200,7 @@ def estimate(
             "autocast follows PyTorch's CPU op lists on fake tensors; CUDA's lists differ for some ops "
             "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
         )
-    notes.append("reserved (the caching allocator's cache) is not simulated yet: figures are allocated bytes")
+    notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
     notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
     first, steady = peaks
     return Estimate(
@@ -203,6 +213,7 @@ def estimate(
         first_step=first,
         steady=steady,
         breakdown=breakdowns[0] if first >= steady else breakdowns[1],
+        reserved=simulation.peak_reserved,
         capacity=capacity,
         capacity_label=label or "",
         mode="estimated" if fake else "tracked",

@@ -134,6 +134,8 @@ class Tracker:
         self.capacity_label = ""
         #: What the last virtual out-of-memory error saw (see VirtualOOM).
         self.last_oom: VirtualOOM | None = None
+        #: A CachingAllocatorSimulation fed every allocation and free, when set.
+        self.simulator: Any = None
         self._on_device = _device_test(self.device)
         self._storages: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
@@ -375,6 +377,9 @@ class Tracker:
             self._categories[record.category] += size - record.size
             self._modules[record.module] += size - record.size
             growth, record.size = size - record.size, size
+            if self.simulator is not None:
+                self.simulator.free(key)
+                self.simulator.malloc(key, size)
             self._grow(growth, record.module)
             return
         size = round_allocation(storage.nbytes(), self.block)
@@ -385,6 +390,8 @@ class Tracker:
                                tuple(tensor.shape), tensor.dtype)
         self._storages[key] = record
         self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
+        if self.simulator is not None:
+            self.simulator.malloc(key, size)
         self._categories["other"] += size
         self._modules[module] = self._modules.get(module, 0) + size
         for recording in self._recordings:
@@ -414,6 +421,8 @@ class Tracker:
             del self._refs[key]
             record = self._storages.pop(key)
             record.died = self._op_index
+            if self.simulator is not None:
+                self.simulator.free(key)
             self._allocated -= record.size
             self._categories[record.category] -= record.size
             self._modules[record.module] -= record.size

@@ -133,7 +133,8 @@ class Comparison:
             record["mode"] = self.mode
             record["error"] = row.error
             if row.result is not None:
-                record.update(first_step=row.result.first_step, steady=row.result.steady, peak=row.result.peak)
+                record.update(first_step=row.result.first_step, steady=row.result.steady, peak=row.result.peak,
+                              reserved=row.result.reserved)
                 record.update({f"peak_{name.replace(' ', '_')}": size for name, size in row.result.breakdown.at_peak})
             records.append(record)
         return records

@@ -167,3 +167,13 @@ def test_repeated_blocks_picks_the_outermost_repeated_type():
 
 def test_exported_from_the_package():
     assert nbmem.estimate is estimate
+
+
+def test_reserved_comes_from_the_allocator_simulation():
+    result = estimate(mlp, FAMILIES["mlp"][1], batch_size=8)
+    assert result.reserved >= result.peak
+    # every tensor of this small MLP is at most 1 MiB: all from 2 MiB small-pool segments
+    assert result.reserved % (2 * 1024**2) == 0
+    big = estimate(lambda: nn.Linear(1024, 4096), lambda n: torch.randn(n, 1024), batch_size=8, optimizer="sgd")
+    # the 16 MiB weight and its 16 MiB gradient are large-pool requests of >= 10 MiB: 16 MiB segments each
+    assert big.reserved >= 32 * 1024**2 and "reserved peak" in str(big)
