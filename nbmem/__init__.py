@@ -32,6 +32,7 @@ __all__ = [
     "sweep",
     "Comparison",
     "max_batch_size",
+    "explore",
     "free",
     "Reclaimed",
     "diagnose",
@@ -56,6 +57,7 @@ _LAZY = {
     "estimate": "estimation",
     "sweep": "whatif",
     "max_batch_size": "whatif",
+    "explore": "explorer",
     "Comparison": "whatif",
     "Estimate": "estimation",
     "free": "reclaim",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .devices import PRESETS
     from .diagnose import diagnose
     from .estimation import Estimate, estimate
+    from .explorer import explore
     from .whatif import Comparison, max_batch_size, sweep
     from .magics import history
     from .reclaim import Reclaimed, free

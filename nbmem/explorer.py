@@ -1,0 +1,148 @@
+"""``nbmem.explore``: sliders and menus over a workload, answered from estimates as you move them.
+
+Each change re-estimates the training step on fake tensors (cached per
+configuration) and redraws what the peak is made of against the device's
+capacity; a button runs the chosen configuration for real, tracked on this
+machine, to check the estimate.
+"""
+
+from __future__ import annotations
+
+import html
+import time
+from typing import Any
+
+from . import _env
+from .devices import PRESETS, parse_capacity
+from .estimation import OPTIMIZERS, PRECISIONS, Estimate, estimate
+from .results import stacked_bar_html
+from .units import format_bytes
+
+__all__ = ["explore", "Explorer"]
+
+
+class Explorer:
+    """The panel: ``controls`` (ipywidgets by knob name), ``view`` (the widget to display)."""
+
+    def __init__(
+        self,
+        model: Any,
+        batch: Any,
+        *,
+        batch_size: int = 32,
+        max_batch_size: int = 1024,
+        device: str = "T4",
+        precision: str = "fp32",
+        checkpointing: bool = False,
+        optimizer: str = "adamw",
+        accumulation: int = 1,
+    ) -> None:
+        import ipywidgets as widgets
+
+        parse_capacity(device)  # a clear error now rather than in a callback
+        self.model, self.batch = model, batch
+        self._cache: dict[tuple, Estimate] = {}
+        self.last: Estimate | None = None
+        self.measured: Estimate | None = None
+        self.seconds = 0.0  # how long the last update took
+        style = {"description_width": "initial"}
+        self.controls = {
+            "batch_size": widgets.IntSlider(batch_size, min=1, max=max_batch_size, description="batch size",
+                                            continuous_update=False, style=style),
+            "precision": widgets.Dropdown(options=PRECISIONS, value=precision, description="precision", style=style),
+            "checkpointing": widgets.Checkbox(value=checkpointing, description="activation checkpointing"),
+            "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=style),
+            "accumulation": widgets.IntSlider(accumulation, min=1, max=32, description="accumulation steps",
+                                              continuous_update=False, style=style),
+            "device": widgets.Dropdown(options=list(PRESETS) if device in PRESETS else [device, *PRESETS], value=device,
+                                       description="device", style=style),
+        }
+        self.chart = widgets.HTML()
+        self.chart.add_class("nbmem-explore-chart")
+        self.button = widgets.Button(description="measure for real (tracked)", button_style="info")
+        self.check = widgets.HTML()
+        for control in self.controls.values():
+            control.observe(self._changed, names="value")
+        self.button.on_click(self._measure)
+        self.view = widgets.VBox(
+            [widgets.HBox(list(self.controls.values())[:3]), widgets.HBox(list(self.controls.values())[3:]),
+             self.chart, widgets.HBox([self.button]), self.check]
+        )
+        self.view.add_class("nbmem-explore")
+        self.update()
+
+    def config(self) -> dict[str, Any]:
+        return {name: control.value for name, control in self.controls.items()}
+
+    def _changed(self, change: Any) -> None:
+        self.update()
+
+    def update(self) -> Estimate:
+        """Estimate the current configuration (cached) and redraw the chart."""
+        started = time.perf_counter()
+        config = self.config()
+        key = tuple(sorted(config.items()))
+        if key not in self._cache:
+            self._cache[key] = estimate(self.model, self.batch, **config)
+        self.last = self._cache[key]
+        self.chart.value = _chart_html(self.last)
+        self.seconds = time.perf_counter() - started
+        return self.last
+
+    def _measure(self, button: Any = None) -> Estimate:
+        self.check.value = "<i>running the step for real, tracked on this machine…</i>"
+        config = self.config()
+        capacity, _ = parse_capacity(config["device"])
+        self.measured = estimate(self.model, self.batch, fake=False, **config)
+        estimated = self.update()
+        difference = (self.measured.peak - estimated.peak) / estimated.peak if estimated.peak else 0.0
+        self.check.value = (
+            f"<div class='nbmem-explore-check' style='font-size:12px'>tracked for real: "
+            f"{format_bytes(self.measured.peak)} allocated at the peak (estimate {format_bytes(estimated.peak)}, "
+            f"{difference:+.1%}){'' if self.measured.peak <= capacity else ' — does NOT fit'}</div>"
+        )
+        return self.measured
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
+        bundle = self.view._repr_mimebundle_(**kwargs)
+        bundle["text/plain"] = str(self.last)
+        return bundle
+
+
+def _chart_html(result: Estimate) -> str:
+    capacity = result.capacity or result.peak
+    segments = [(name, size) for name, size in result.breakdown.at_peak]
+    free = max(capacity - result.peak, 0)
+    over = result.peak > capacity
+    verdict = (
+        f"<b style='color:#b00020'>does NOT fit</b>: {format_bytes(result.peak)} > {format_bytes(capacity)}"
+        if over
+        else f"fits: {format_bytes(result.peak)} of {format_bytes(capacity)} ({result.peak / capacity:.0%})"
+    )
+    reserved = f"; reserved {format_bytes(result.reserved)} (simulated)" if result.reserved is not None else ""
+    return (
+        "<div style='font-family:sans-serif;font-size:13px;max-width:48em'>"
+        f"<div>estimated peak on <b>{html.escape(result.capacity_label)}</b>: {verdict}{reserved}; "
+        f"effective batch {result.effective_batch}</div>"
+        + stacked_bar_html([*segments, ("free", free)], "nbmem-explore-bar")
+        + "</div></div>"
+    )
+
+
+def explore(model: Any, batch: Any, **options: Any) -> Explorer | None:
+    """Open the explorer panel (a notebook with widgets); elsewhere, say so and suggest ``nbmem.sweep``.
+
+    Options: ``batch_size``, ``max_batch_size`` (the slider's end), ``device``,
+    ``precision``, ``checkpointing``, ``optimizer``, ``accumulation``.
+    """
+    if not _env.widgets_usable():
+        print(
+            "nbmem.explore needs a notebook frontend with widgets (JupyterLab, Jupyter Notebook, VS Code). "
+            "Here, compare configurations with nbmem.sweep(model, batch, batch_size=[...], precision=[...], ...)."
+        )
+        return None
+    explorer = Explorer(model, batch, **options)
+    from IPython.display import display
+
+    display(explorer)
+    return explorer
