@@ -157,7 +157,7 @@ def estimate(
     >>> result.breakdown.category("parameter")   # 4198400 + 40960 + 512
     4239872
     """
-    knobs = _check(batch_size, precision, optimizer, accumulation)
+    _check(batch_size, precision, optimizer, accumulation)
     capacity = label = None
     if device is not None:
         from .devices import parse_capacity

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Literal
 
 from .units import format_bytes
 
-__all__ = ["MemoryResult", "Breakdown", "report_html", "stacked_bar_html", "CATEGORIES", "CATEGORY_MEANING", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
+__all__ = ["MemoryResult", "Breakdown", "report_html", "stacked_bar_html", "CATEGORIES", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
 
 Mode = Literal["measured", "tracked"]
 
@@ -21,17 +21,6 @@ Mode = Literal["measured", "tracked"]
 #: only towards the front of this list: a parameter saved for backward stays a
 #: parameter, a tensor autograd saves becomes an activation.
 CATEGORIES = ("parameter", "buffer", "optimizer state", "gradient", "activation", "other")
-
-#: One line on each category, for reports and the README.
-CATEGORY_MEANING = {
-    "parameter": "the model's weights (nn.Parameter)",
-    "buffer": "module buffers, e.g. BatchNorm running statistics",
-    "optimizer state": "what the optimizer keeps per parameter (Adam: two tensors the size of each parameter)",
-    "gradient": "the parameters' .grad",
-    "activation": "tensors autograd saved for backward",
-    "other": "temporaries, inputs, outputs and anything else",
-}
-
 
 @dataclass(frozen=True)
 class Breakdown:
