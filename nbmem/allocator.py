@@ -79,6 +79,10 @@ class CachingAllocatorSimulation:
     """
 
     capacity: int | None = None
+    #: With a capacity: raise MemoryError when a segment can't be reserved
+    #: (strict), or note it in ``overflow`` and reserve it anyway (to keep counting).
+    strict: bool = True
+    overflow: int | None = None
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
@@ -159,10 +163,13 @@ class CachingAllocatorSimulation:
         if self.capacity is not None and self.reserved + wanted > self.capacity:
             self._release_free_segments()
             if self.reserved + wanted > self.capacity:
-                raise MemoryError(
-                    f"the simulated allocator needs a {wanted} B segment with {self.reserved} B reserved "
-                    f"of {self.capacity} B"
-                )
+                if self.strict:
+                    raise MemoryError(
+                        f"the simulated allocator needs a {wanted} B segment with {self.reserved} B reserved "
+                        f"of {self.capacity} B"
+                    )
+                if self.overflow is None:
+                    self.overflow = wanted  # the first segment that could not be reserved
         segment = _Segment(wanted, small, next(self._numbers))
         block = _Block(segment, 0, wanted)
         segment.first = block

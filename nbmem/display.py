@@ -102,7 +102,7 @@ def history_figure(history: History) -> Any:
     axes.set_ylabel(f"allocated ({unit})")
     axes.set_title(f"gpumem history: peak allocated per cell ({', '.join(modes) or 'no cells'})", fontsize=10)
     axes.legend(fontsize=8, loc="upper left")
-    return figure
+    return displayable(figure)
 
 
 def timeline_figure(timeline: Any) -> Any:
@@ -136,7 +136,7 @@ def timeline_figure(timeline: Any) -> Any:
     axes.set_title("gpumem timeline: live memory by category", fontsize=10)
     axes.set_xlim(0, max(timeline.ops, 1))
     axes.legend(fontsize=7, loc="upper left")
-    return figure
+    return displayable(figure)
 
 
 def show_timeline(timeline: Any) -> None:
@@ -173,7 +173,8 @@ def comparison_figure(comparison: Any, kind: str = "lines") -> Any:
             axes.minorticks_off()
         axes.set_ylim(bottom=0)  # from zero: differences look as large as they are
     else:
-        labels = [", ".join(f"{value}" for _, value in row.config) for row in comparison.rows]
+        swept = comparison.axes or tuple(axis for axis, _ in comparison.rows[0].config[:1])
+        labels = [", ".join(f"{axis}={row.value(axis)}" for axis in swept) for row in comparison.rows]
         bottoms = [0.0] * len(comparison.rows)
         for name in CATEGORIES:
             heights = [
@@ -187,11 +188,22 @@ def comparison_figure(comparison: Any, kind: str = "lines") -> Any:
     axes.set_ylabel(f"peak allocated ({unit})")
     axes.set_title(f"gpumem sweep ({comparison.mode})", fontsize=10)
     axes.legend(fontsize=7)
-    return figure
+    return displayable(figure)
 
 
 def _short(text: str, width: int = 28) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def displayable(figure: Any) -> Any:
+    """Give a Figure made without pyplot its own PNG repr, so a notebook shows it.
+
+    IPython draws matplotlib figures only once ``%matplotlib inline`` (or
+    pyplot) registered a formatter; nbmem's charts must show without that. A
+    registered formatter still takes precedence, so nothing is drawn twice.
+    """
+    figure._repr_png_ = lambda: _figure_png(figure)
+    return figure
 
 
 def _figure_png(figure: Any) -> bytes:

@@ -74,6 +74,9 @@ class Estimate:
     breakdown: Breakdown
     #: The simulated caching allocator's reserved peak (see nbmem.allocator).
     reserved: int | None = None
+    #: With a capacity: the first segment the simulated allocator could not
+    #: reserve even after releasing its cache (None: every reservation fit).
+    reserve_failed: int | None = None
     capacity: int | None = None
     capacity_label: str = ""
     mode: str = "estimated"
@@ -90,8 +93,11 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
-        """Whether the peak fits the capacity (None without one); overheads not included."""
-        return None if self.capacity is None else self.peak <= self.capacity
+        """Whether the step fits the capacity (None without one): its allocated peak, and every
+        segment the simulated allocator reserved (after releasing its cache). Overheads not included."""
+        if self.capacity is None:
+            return None
+        return self.peak <= self.capacity and self.reserve_failed is None
 
     def __str__(self) -> str:
         accumulate = f" x {self.accumulation} micro-batches = {self.effective_batch}" if self.accumulation > 1 else ""
@@ -109,9 +115,16 @@ class Estimate:
             )
         if self.capacity is not None:
             verdict = "fits" if self.fits else "does NOT fit"
+            why = (
+                f"; the allocator could not reserve a {format_bytes(self.reserve_failed)} segment even after "
+                "releasing its cache"
+                if self.reserve_failed is not None
+                else ""
+            )
             lines.append(
                 f"  on {self.capacity_label or format_bytes(self.capacity)}  {verdict}: {format_bytes(self.peak)} of "
-                f"{format_bytes(self.capacity)} ({self.peak / self.capacity:.0%}), before the fixed overheads below"
+                f"{format_bytes(self.capacity)} ({self.peak / self.capacity:.0%}) allocated{why}; before the fixed "
+                "overheads below"
             )
         lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
         lines += [f"  not included: {name} about {format_bytes(size)} ({why})" for name, size, why in self.overheads]
@@ -168,7 +181,7 @@ def estimate(
     tracker = Tracker("cpu")
     from .allocator import CachingAllocatorSimulation
 
-    tracker.simulator = simulation = CachingAllocatorSimulation()
+    tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False)
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
@@ -214,6 +227,7 @@ def estimate(
         steady=steady,
         breakdown=breakdowns[0] if first >= steady else breakdowns[1],
         reserved=simulation.peak_reserved,
+        reserve_failed=simulation.overflow,
         capacity=capacity,
         capacity_label=label or "",
         mode="estimated" if fake else "tracked",

@@ -243,25 +243,29 @@ class BatchSizeResult:
     trials: tuple[tuple[int, int | None], ...]  # (batch size, peak) per real trial; None: out of memory
     estimates: int  # fake-tensor estimates used for the prediction
     limit: int
+    accumulation: int = 1  # micro-batches per optimizer step the search used
 
     @property
     def real_trials(self) -> int:
         return len(self.trials)
 
-    def accumulation_for(self, effective_batch: int) -> int:
-        """Micro-batches of ``batch_size`` per optimizer step to reach ``effective_batch``."""
-        if self.batch_size < 1:
-            raise ValueError("no batch size fits, so no effective batch is reachable")
-        return -(-effective_batch // self.batch_size)
+    @property
+    def effective_batch(self) -> int:
+        return self.batch_size * self.accumulation
 
     def __str__(self) -> str:
         tried = ", ".join(f"{size} {'OOM' if peak is None else format_bytes(peak)}" for size, peak in self.trials)
+        per_step = (
+            f" x {self.accumulation} micro-batches = effective batch {self.effective_batch}"
+            if self.accumulation > 1
+            else ""
+        )
         return (
-            f"gpumem max_batch_size on {self.capacity_label or format_bytes(self.capacity)}: {self.batch_size}"
+            f"gpumem max_batch_size on {self.capacity_label or format_bytes(self.capacity)}: {self.batch_size}{per_step}"
             f" (predicted {self.predicted} from {self.estimates} estimates; verified with {self.real_trials} real"
             f" {self.mode} trials: {tried})\n"
-            f"  a larger effective batch: micro-batches of {self.batch_size} with gradient accumulation,"
-            f" e.g. {self.batch_size * 4} = {self.batch_size} x 4"
+            "  for a larger effective batch, search again with accumulation=N: gradients stay alive across "
+            "micro-batches, so the largest micro-batch is smaller than the largest single batch"
         )
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -315,6 +319,7 @@ def max_batch_size(
     optimizer: Any = "adamw",
     loss: Any = None,
     foreach: bool | None = None,
+    accumulation: int = 1,
     limit: int = 1 << 16,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
@@ -324,7 +329,9 @@ def max_batch_size(
     on this CPU the step runs tracked on a virtual device of that capacity.
     The answer is always a size that ran, with the next size up seen to fail
     (or ``limit`` reached): memory is not always monotonic in batch size, so
-    nothing untested is returned.
+    nothing untested is returned. With ``accumulation=N`` the size is the
+    largest micro-batch of an N-micro-batch step (the gradients stay alive
+    across micro-batches, so it can be smaller than the largest single batch).
 
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
@@ -336,7 +343,8 @@ def max_batch_size(
     from .devices import parse_capacity
 
     capacity, label = parse_capacity(device)
-    options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach)
+    options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
+                   accumulation=accumulation)
     estimates = 0
 
     def estimated(size: int) -> int:
@@ -366,4 +374,4 @@ def max_batch_size(
 
     # verify for real around the prediction: both sides of the boundary are tried
     found = _boundary(fits, max(predicted, 1), limit)
-    return BatchSizeResult(found, predicted, capacity, label, "tracked", tuple(trials), estimates, limit)
+    return BatchSizeResult(found, predicted, capacity, label, "tracked", tuple(trials), estimates, limit, accumulation)

@@ -177,3 +177,18 @@ def test_reserved_comes_from_the_allocator_simulation():
     big = estimate(lambda: nn.Linear(1024, 4096), lambda n: torch.randn(n, 1024), batch_size=8, optimizer="sgd")
     # the 16 MiB weight and its 16 MiB gradient are large-pool requests of >= 10 MiB: 16 MiB segments each
     assert big.reserved >= 32 * 1024**2 and "reserved peak" in str(big)
+
+
+def test_fits_needs_every_reserved_segment_to_fit():
+    build_one = lambda: nn.Linear(1024, 4096)  # noqa: E731
+    make_one = lambda n: torch.randn(n, 1024)  # noqa: E731
+    loose = estimate(build_one, make_one, batch_size=8, optimizer="sgd")
+    # the 16 MiB weight and its 16 MiB gradient take a 16 MiB large-pool segment each,
+    # everything else one 2 MiB small-pool segment
+    assert loose.reserved == 16 * 1024**2 * 2 + 2 * 1024**2
+    tight = estimate(build_one, make_one, batch_size=8, optimizer="sgd", device=loose.peak)
+    assert tight.peak <= tight.capacity  # the allocated bytes would fit...
+    assert tight.reserve_failed == 16 * 1024**2 and tight.fits is False  # ...but a segment can't be reserved
+    assert "could not reserve a 16.0 MiB segment" in str(tight)
+    roomy = estimate(build_one, make_one, batch_size=8, optimizer="sgd", device="1GiB")
+    assert roomy.fits is True and roomy.reserve_failed is None

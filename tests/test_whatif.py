@@ -86,8 +86,12 @@ def test_max_batch_size_is_verified_on_both_sides():
     assert trials[found.batch_size] is not None and trials[found.batch_size] <= 8 * MiB
     assert trials[found.batch_size + 1] is None  # the next size up was tried and did not fit
     assert found.predicted == found.batch_size and found.real_trials == 2  # estimates were exact here
-    assert found.accumulation_for(4 * found.batch_size + 1) == 5
     assert f"verified with {found.real_trials} real tracked trials" in str(found)
+    accumulated = nbmem.max_batch_size(classify_build, classify_make, device="8MiB", accumulation=4)
+    trials = dict(accumulated.trials)
+    assert trials[accumulated.batch_size] is not None and trials[accumulated.batch_size + 1] is None
+    # gradients stay alive across micro-batches: the largest micro-batch is smaller
+    assert accumulated.batch_size < found.batch_size and accumulated.effective_batch == 4 * accumulated.batch_size
 
 
 def test_max_batch_size_corrects_a_wrong_prediction_with_real_trials():
@@ -102,5 +106,11 @@ def test_max_batch_size_corrects_a_wrong_prediction_with_real_trials():
 def test_max_batch_size_when_nothing_fits():
     found = nbmem.max_batch_size(classify_build, classify_make, device="64KiB")
     assert found.batch_size == 0 and dict(found.trials)[1] is None
-    with pytest.raises(ValueError, match="no batch size fits"):
-        found.accumulation_for(8)
+
+
+def test_plots_display_without_pyplot_registered():
+    table = nbmem.sweep(build, make, batch_size=[8, 16])
+    figure = table.plot()
+    assert figure._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
+    labels = [label.get_text() for label in table.plot("breakdown").axes[0].get_xticklabels()]
+    assert labels == ["batch_size=8", "batch_size=16"]
