@@ -1,0 +1,232 @@
+"""The what-if notebooks (03 batch size, 04 precision and checkpointing, 05 estimate before you run).
+
+Each runs headlessly with nbclient in a kernel of its own, once per test
+session: top to bottom without an error (none of them has a cell that is meant
+to fail), within Binder's patience, and with the outputs its markdown talks
+about. Timings are printed, not compared with each other: only the notebook's
+total is bounded.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import nbclient
+import nbformat
+import pytest
+
+pytestmark = pytest.mark.slow
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NAMES = (
+    "03-batch-size-and-accumulation.ipynb",
+    "04-precision-and-checkpointing.ipynb",
+    "05-estimate-before-you-run.ipynb",
+)
+_RUNS: dict[str, dict[str, Any]] = {}
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def _run(name: str) -> dict[str, Any]:
+    """The notebook after running it (once per session) and how long that took."""
+    if name not in _RUNS:
+        notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+        client = nbclient.NotebookClient(
+            notebook,
+            kernel_name="python3",
+            timeout=120,
+            allow_errors=False,  # any failing cell fails the run
+            resources={"metadata": {"path": str(NOTEBOOKS)}},
+        )
+        started = time.perf_counter()
+        client.execute()
+        seconds = time.perf_counter() - started
+        print(f"\n{name} executed in {seconds:.1f} s (kernel start included)")
+        _RUNS[name] = {"notebook": notebook, "seconds": seconds}
+    return _RUNS[name]
+
+
+@pytest.fixture(scope="module")
+def nb03() -> nbformat.NotebookNode:
+    return _run(NAMES[0])["notebook"]
+
+
+@pytest.fixture(scope="module")
+def nb04() -> nbformat.NotebookNode:
+    return _run(NAMES[1])["notebook"]
+
+
+@pytest.fixture(scope="module")
+def nb05() -> nbformat.NotebookNode:
+    return _run(NAMES[2])["notebook"]
+
+
+def _cell(notebook: nbformat.NotebookNode, first_line: str) -> nbformat.NotebookNode:
+    """The one code cell whose first line is ``first_line``."""
+    cells = [cell for cell in notebook.cells if cell.cell_type == "code" and cell.source.splitlines()[:1] == [first_line]]
+    assert len(cells) == 1, first_line
+    return cells[0]
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    """Everything a cell printed or displayed as text."""
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif "text/plain" in output.get("data", {}):
+            parts.append(output["data"]["text/plain"])
+    return "\n".join(parts)
+
+
+def _has_png(cell: nbformat.NotebookNode) -> bool:
+    return any("image/png" in output.get("data", {}) for output in cell.outputs)
+
+
+def _bytes(amount: str, unit: str) -> float:
+    return float(amount) * _UNITS[unit]
+
+
+# -- every notebook ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_is_committed_clean(name: str) -> None:
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    nbformat.validate(notebook)
+    assert notebook.metadata["kernelspec"]["name"] == "python3"
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_runs_without_error_and_quickly(name: str) -> None:
+    run = _run(name)
+    failed = [
+        cell.source
+        for cell in run["notebook"].cells
+        if cell.cell_type == "code" and any(output.output_type == "error" for output in cell.outputs)
+    ]
+    assert failed == []
+    # Binder runs these on a CPU: well under two minutes each, kernel start included.
+    assert run["seconds"] < 120, f"{name} took {run['seconds']:.1f} s"
+
+
+# -- 03: batch size and accumulation ---------------------------------------------------
+
+
+def test_03_sweep_table_and_chart(nb03: nbformat.NotebookNode) -> None:
+    table = _text(_cell(nb03, "table = nbmem.sweep(build, make_batch, batch_size=[128, 256, 512, 1024, 2048, 4096], device=cap)"))
+    assert table.startswith("gpumem sweep: peak allocated in MiB, estimated; capacity")
+    assert "(no fit)" in table  # 4096 is past the T4 / 100
+    assert _has_png(_cell(nb03, "table.plot()"))
+    records = _text(_cell(nb03, "MiB = 2**20"))
+    assert "per example: about" in records and "always there: parameters + AdamW's state" in records
+
+
+def test_03_max_batch_size_is_verified_on_both_sides(nb03: nbformat.NotebookNode) -> None:
+    report = _text(_cell(nb03, "found = nbmem.max_batch_size(build, make_batch, device=cap)"))
+    assert report.startswith("gpumem max_batch_size on")
+    assert "verified with" in report and "real tracked trials" in report and "OOM" in report
+    match = re.search(r"on [^:]+: (\d+) \(predicted (\d+)", report)
+    assert match, report
+    found = int(match.group(1))
+    trials = _text(_cell(nb03, 'print(f"largest batch that fits: {found.batch_size} (estimates predicted {found.predicted})")'))
+    assert re.search(rf"batch\s+{found}: ran", trials), trials
+    assert re.search(rf"batch\s+{found + 1}: out of memory", trials), trials
+
+
+def test_03_accumulation_plans(nb03: nbformat.NotebookNode) -> None:
+    plans = _text(_cell(nb03, "EFFECTIVE = 8192"))
+    lines = [line for line in plans.splitlines() if line.startswith("8192 = ")]
+    assert len(lines) == 4, plans
+    assert "does NOT fit" in lines[0]  # the whole effective batch at once
+    assert "(fits)" in lines[-1]  # 8 micro-batches of 1024
+    peaks = [_bytes(*re.search(r"peak\s+([0-9.]+) (\w+)", line).groups()) for line in lines]
+    assert peaks == sorted(peaks, reverse=True)  # more micro-batches, lower peak
+
+
+def test_03_tracked_run_confirms_the_estimate(nb03: nbformat.NotebookNode) -> None:
+    report = _text(_cell(nb03, "%%gpumem --breakdown --capacity {cap}"))
+    assert "tracked on cpu" in report and "virtual" in report and "FAILED" not in report
+    compared = _text(_cell(nb03, "measured = nbmem.history()[-1]  # the MemoryResult of the %%gpumem cell"))
+    estimated = int(re.search(r"estimated peak \(8 x 1024\):\s+([0-9,]+) bytes", compared).group(1).replace(",", ""))
+    tracked = int(re.search(r"tracked, in use at the peak:\s+([0-9,]+) bytes", compared).group(1).replace(",", ""))
+    assert abs(tracked - estimated) <= 0.01 * estimated, compared
+
+
+# -- 04: precision and checkpointing ----------------------------------------------------
+
+
+def test_04_sweep_of_precision_and_checkpointing(nb04: nbformat.NotebookNode) -> None:
+    table = _text(_cell(nb04, "table = nbmem.sweep(TinyLM, make_batch, batch_size=BATCH,"))
+    assert table.startswith("gpumem sweep: peak allocated in MiB, estimated")
+    assert "checkpointing=False" in table and "checkpointing=True" in table
+    for precision in ("fp32", "bf16", "fp16", "bf16-weights"):
+        assert re.search(rf"^{precision}\s", table, re.MULTILINE), precision
+    assert _has_png(_cell(nb04, 'table.plot("breakdown")'))
+
+
+def test_04_breakdown_shows_what_each_knob_changes(nb04: nbformat.NotebookNode) -> None:
+    printed = _text(_cell(nb04, "MiB = 2**20"))
+    autocast = re.search(r"autocast bf16:\s+activations ([0-9.]+) x fp32's, parameters ([0-9.]+) x, state ([0-9.]+) x", printed)
+    pure = re.search(r"bf16 weights:\s+parameters ([0-9.]+) x fp32's, state ([0-9.]+) x", printed)
+    ckpt = re.search(r"checkpointing:\s+activations ([0-9.]+) x fp32's, other [0-9.]+ x, peak ([0-9.]+) x", printed)
+    assert autocast and pure and ckpt, printed
+    assert float(autocast.group(1)) < 1 and autocast.group(2) == "1.00" and autocast.group(3) == "1.00"
+    assert pure.group(1) == "0.50" and pure.group(2) == "0.50"
+    assert float(ckpt.group(1)) < 0.2 and float(ckpt.group(2)) < 0.7
+
+
+def test_04_autocast_note_and_timed_steps(nb04: nbformat.NotebookNode) -> None:
+    notes = _text(_cell(nb04, 'row = next(row for row in table if row.value("precision") == "bf16" and not row.value("checkpointing"))'))
+    assert "autocast follows PyTorch's CPU op lists" in notes
+    timed = _text(_cell(nb04, "loss_fn = nn.CrossEntropyLoss()"))
+    for mode in ("off", "on"):
+        match = re.search(
+            rf"checkpointing {mode}:\s+[0-9.]+ s per step, peak ([0-9.]+ \w+) in use \(estimated ([0-9.]+ \w+)\)", timed
+        )
+        assert match and match.group(1) == match.group(2), timed  # the real step peaks where the estimate said
+    ratio = re.search(r"checkpointing: ([0-9.]+) x the memory, ([0-9.]+) x the time", timed)
+    assert ratio and float(ratio.group(1)) < 0.7, timed  # the time ratio is printed, not asserted: CPU timing is noisy
+
+
+# -- 05: estimate before you run ----------------------------------------------------------
+
+
+def test_05_fp32_adamw_does_not_fit(nb05: nbformat.NotebookNode) -> None:
+    report = _text(_cell(nb05, 'plain = nbmem.estimate(GPT, make_batch, batch_size=8, optimizer="adamw", precision="fp32", device="RTX-4090")'))
+    assert "estimated on fake tensors, no data, nothing allocated" in report
+    assert "batch 8, fp32, adamw" in report and "does NOT fit" in report
+    assert "not included: CUDA context" in report and "not included: cuBLAS workspace" in report
+    parameters = _text(_cell(nb05, 'with torch.device("meta"):'))
+    count = int(re.search(r"([0-9,]+) parameters", parameters).group(1).replace(",", ""))
+    assert 1.0e9 < count < 1.5e9
+
+
+def test_05_nothing_is_allocated(nb05: nbformat.NotebookNode) -> None:
+    printed = _text(_cell(nb05, "def process_peak():"))
+    used = re.search(r"this process, at most: ([0-9.]+) (\w+)", printed)
+    assert used, printed
+    assert _bytes(*used.groups()) < 4 * 2**30  # the estimated step is 35 GiB
+
+
+def test_05_knobs_and_batch_sizes(nb05: nbformat.NotebookNode) -> None:
+    knobs = _text(_cell(nb05, 'autocast = nbmem.estimate(GPT, make_batch, batch_size=8, precision="bf16", device="RTX-4090")'))
+    lines = knobs.strip().splitlines()
+    assert len(lines) == 4
+    assert lines[0].startswith("fp32") and "does NOT fit" in lines[0]
+    assert lines[1].startswith("bf16 ") and "does NOT fit" in lines[1]
+    assert lines[2].startswith("bf16-weights") and "-> fits" in lines[2]
+    table = _text(_cell(nb05, 'table = nbmem.sweep(GPT, make_batch, batch_size=[1, 2, 4, 8, 16], precision="bf16-weights",'))
+    assert table.startswith("gpumem sweep: peak allocated in GiB, estimated; capacity RTX-4090")
+    assert _has_png(_cell(nb05, "table.plot()"))
+    budget = _text(_cell(nb05, 'best = {row.value("batch_size"): row.result for row in table}'))
+    assert re.search(r"^\s+8\s.*\sfits$", budget, re.MULTILINE), budget
+    chosen = _text(_cell(nb05, "best[8]"))
+    assert "batch 8, bf16-weights, adamw, checkpointing on (TransformerEncoderLayer)" in chosen
+    assert "reserved peak" in chosen and "fits" in chosen
