@@ -80,7 +80,7 @@ def main() -> None:
 
         def fits(size: int) -> bool:
             try:
-                estimate(build, make, batch_size=size, fake=False, device=device, enforce_capacity=True)
+                estimate(build, make, batch_size=size, mode="tracked", device=device, enforce_capacity=True)
                 return True
             except torch.OutOfMemoryError:
                 return False

@@ -9,8 +9,10 @@ accounts those fake storages exactly as it accounts real ones (a tracked real
 run of the same step gives the same bytes), with CUDA's 512 B rounding and the
 breakdown by category.
 
-The same step can also run for real, tracked (``fake=False``): that is how the
-tests check the estimate, and what a tracked sweep will use.
+The same step can also run for real (``mode=``): ``"tracked"`` on this CPU,
+each storage accounted (how the tests check the estimate, and what a tracked
+sweep uses), or ``"measured"`` on a CUDA device with the caching allocator's
+own statistics (what a measured sweep and ``max_batch_size`` use on a GPU).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from .scope import MemoryScope
 from .tracking import Tracker
 from .units import format_bytes
 
-__all__ = ["estimate", "Estimate", "PRECISIONS", "OPTIMIZERS", "repeated_blocks"]
+__all__ = ["estimate", "Estimate", "PRECISIONS", "OPTIMIZERS", "MODES", "repeated_blocks"]
+
+#: How a step runs: on fake tensors; for real on the CPU, tracked; for real on CUDA, measured.
+MODES = ("estimated", "tracked", "measured")
 
 #: fp32; bf16/fp16 autocast (fp16 with a GradScaler); pure bf16/fp16 weights.
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-weights", "fp16-weights")
@@ -80,6 +85,8 @@ class Estimate:
     capacity: int | None = None
     capacity_label: str = ""
     mode: str = "estimated"
+    #: Where the step ran: "cpu" for fake tensors and tracked runs, "cuda:N" when measured.
+    device: str = "cpu"
     notes: tuple[str, ...] = ()
     overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
 
@@ -101,16 +108,22 @@ class Estimate:
 
     def __str__(self) -> str:
         accumulate = f" x {self.accumulation} micro-batches = {self.effective_batch}" if self.accumulation > 1 else ""
+        how = {
+            "estimated": "estimate (estimated on fake tensors, no data, nothing allocated)",
+            "tracked": f"step (tracked: run for real on the {self.device}, every tensor accounted)",
+            "measured": f"step (measured: run for real on {self.device}, CUDA's caching allocator)",
+        }[self.mode]
         lines = [
-            f"gpumem estimate ({self.mode} on fake tensors, no data, nothing allocated): "
+            f"gpumem {how}: "
             f"batch {self.batch_size}{accumulate}, {self.precision}, {self.optimizer}, checkpointing {self.checkpointing}",
             f"  parameters       {self.parameters:,}",
             f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
             f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
         ]
         if self.reserved is not None:
+            source = "measured" if self.mode == "measured" else "simulated caching allocator"
             lines.append(
-                f"  reserved peak    {format_bytes(self.reserved)} (simulated caching allocator: cached blocks and "
+                f"  reserved peak    {format_bytes(self.reserved)} ({source}: cached blocks and "
                 "segment tails included; roughly what nvidia-smi shows, less the CUDA context)"
             )
         if self.capacity is not None:
@@ -150,7 +163,7 @@ def estimate(
     accumulation: int = 1,
     foreach: bool | None = None,
     device: int | str | None = None,
-    fake: bool = True,
+    mode: str = "estimated",
     enforce_capacity: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
@@ -164,6 +177,12 @@ def estimate(
     capacity to compare with (``"T4"``, ``"24GiB"``). Nothing the user built is
     changed: a module is copied first.
 
+    ``mode="tracked"`` runs the same step for real on this CPU, every tensor
+    accounted; ``mode="measured"`` runs it on the current CUDA device and
+    reads the caching allocator's peaks (allocated and reserved, relative to
+    what was allocated before). ``enforce_capacity=True`` makes a real run
+    raise ``torch.OutOfMemoryError`` at the op that crosses ``device``.
+
     >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
     >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
@@ -171,35 +190,45 @@ def estimate(
     4239872
     """
     _check(batch_size, precision, optimizer, accumulation)
+    run_on = _run_device(mode)
     capacity = label = None
     if device is not None:
         from .devices import parse_capacity
 
         capacity, label = parse_capacity(device)
-    fake_mode = _fake_mode() if fake else None
+    fake_mode = _fake_mode() if mode == "estimated" else None
     notes: list[str] = []
-    tracker = Tracker("cpu")
-    from .allocator import CachingAllocatorSimulation
+    limit = capacity if enforce_capacity else None
+    simulation = None
+    if mode == "measured":
+        scope = functools.partial(MemoryScope, backend="cuda", device=run_on, breakdown=True)
+        before = (torch.cuda.memory_allocated(run_on), torch.cuda.memory_reserved(run_on))
+    else:
+        from .allocator import CachingAllocatorSimulation
 
-    tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False)
+        tracker = Tracker("cpu")
+        tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False)
+        scope = functools.partial(MemoryScope, tracker=tracker)
+        before = (0, 0)
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        limit = capacity if enforce_capacity else None
-        with _without_onednn(), outer, MemoryScope(tracker=tracker, capacity=limit):
-            network = _fresh_model(model, fake_mode)
+        with _without_onednn(), outer, scope(capacity=limit):
+            network = _fresh_model(model, fake_mode, run_on)
             chosen = _apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
             optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
             opt = make_optimizer(network.parameters(), **optimizer_kwargs)
-            scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
-            step = functools.partial(_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation)
-            peaks, breakdowns = [], []
+            scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
+            step = functools.partial(_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on)
+            peaks, reserved, breakdowns = [], [], []
             for _ in range(2):
-                with MemoryScope(tracker=tracker) as one:
+                with scope() as one:
                     step()
-                peaks.append(one.result.peak_allocated)
+                peaks.append(one.result.peak_allocated - before[0])
+                if one.result.peak_reserved is not None:
+                    reserved.append(one.result.peak_reserved - before[1])
                 breakdowns.append(one.result.breakdown)
             parameters = sum(parameter.numel() for parameter in network.parameters())
     except _FAKE_ERRORS as error:
@@ -208,13 +237,19 @@ def estimate(
             "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
             "%%gpumem --backend tracked"
         ) from error
-    if precision in ("bf16", "fp16"):
+    if precision in ("bf16", "fp16") and mode != "measured":
         notes.append(
-            "autocast follows PyTorch's CPU op lists on fake tensors; CUDA's lists differ for some ops "
+            "autocast follows PyTorch's CPU op lists here; CUDA's lists differ for some ops "
             "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
         )
-    notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
-    notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
+    if mode == "measured":
+        notes.append(
+            "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "
+            "cuBLAS/cuDNN workspaces the step allocated through the allocator"
+        )
+    else:
+        notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
+        notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
     first, steady = peaks
     return Estimate(
         batch_size=batch_size,
@@ -226,13 +261,31 @@ def estimate(
         first_step=first,
         steady=steady,
         breakdown=breakdowns[0] if first >= steady else breakdowns[1],
-        reserved=simulation.peak_reserved,
-        reserve_failed=simulation.overflow,
+        reserved=max(reserved) if mode == "measured" else simulation.peak_reserved,
+        reserve_failed=None if simulation is None else simulation.overflow,
         capacity=capacity,
         capacity_label=label or "",
-        mode="estimated" if fake else "tracked",
+        mode=mode,
+        device=str(run_on),
         notes=tuple(notes),
     )
+
+
+def _run_device(mode: str) -> torch.device:
+    """Where a step of this mode runs (fake tensors say cpu; they hold no memory anywhere)."""
+    if mode not in MODES:
+        raise ValueError(
+            f"unknown mode {mode!r}: use 'estimated' (fake tensors, nothing runs), 'tracked' (a real run on this "
+            "CPU, every tensor accounted) or 'measured' (a real run on a CUDA device)"
+        )
+    if mode != "measured":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "mode 'measured' runs the step on a CUDA device and none is available here: use mode='tracked' "
+            "(a real run on this CPU, every tensor accounted) or 'estimated'"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 @contextlib.contextmanager
@@ -279,11 +332,11 @@ def _check(batch_size: Any, precision: str, optimizer: Any, accumulation: Any) -
         )
 
 
-def _fresh_model(model: Any, fake_mode: Any) -> nn.Module:
-    """A model of nbmem's own: built by the factory, or copied (as fake tensors when estimating)."""
+def _fresh_model(model: Any, fake_mode: Any, device: torch.device) -> nn.Module:
+    """A model of nbmem's own on ``device``: built by the factory, or copied (as fake tensors when estimating)."""
     if isinstance(model, nn.Module):
         if fake_mode is None:
-            return copy.deepcopy(model)
+            return copy.deepcopy(model).to(device)
         # Copy the module's structure, with every parameter and buffer replaced
         # by a fake tensor of the same shape: the memo makes deepcopy use them.
         memo: dict[int, Any] = {}
@@ -294,11 +347,11 @@ def _fresh_model(model: Any, fake_mode: Any) -> nn.Module:
         return copy.deepcopy(model, memo)
     if callable(model):
         copies = _FakeDeepcopy() if fake_mode is not None else contextlib.nullcontext()
-        with copies:
+        with copies, _default_device(device):
             built = model()
         if not isinstance(built, nn.Module):
             raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
-        return built
+        return built.to(device) if device.type == "cuda" else built
     raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
 
 
@@ -377,14 +430,22 @@ def _apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpo
     return chosen
 
 
-def _step(model, batch_fn, batch_size, loss_fn, optimizer, scaler, precision, accumulation) -> None:
+def _default_device(device: torch.device) -> Any:
+    """Factories called inside build on ``device`` (a CUDA run builds the model and batch there directly)."""
+    return device if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _step(model, batch_fn, batch_size, loss_fn, optimizer, scaler, precision, accumulation, device) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     for _ in range(accumulation):
-        inputs = _checked_batch(batch_fn(batch_size), batch_size)
+        with _default_device(device):
+            inputs = _checked_batch(batch_fn(batch_size), batch_size)
+        if device.type == "cuda":
+            inputs = _moved(inputs, device)
         if precision.endswith("-weights"):
             weight_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
             inputs = _cast_floats(inputs, weight_dtype)
-        autocast = torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with autocast:
             output = _forward(model, inputs)
             value = loss_fn(output, inputs) if loss_fn is not None else _default_loss(output, inputs)
@@ -413,7 +474,15 @@ def _checked_batch(value: Any, batch_size: int) -> Any:
 
 
 def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    cast = lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor  # noqa: E731
+    return _each_tensor(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    """A batch the factory made elsewhere (e.g. on the CPU, as a DataLoader does), moved to ``device``."""
+    return _each_tensor(value, lambda tensor: tensor.to(device))
+
+
+def _each_tensor(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return cast(value)
     if isinstance(value, dict):

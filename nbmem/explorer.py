@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import html
 import time
+
+import torch
 from typing import Any
 
 from . import _env
@@ -90,14 +92,17 @@ class Explorer:
         return self.last
 
     def _measure(self, button: Any = None) -> Estimate:
-        self.check.value = "<i>running the step for real, tracked on this machine…</i>"
+        mode = "measured" if torch.cuda.is_available() else "tracked"
+        where = "measured on CUDA" if mode == "measured" else "tracked on this CPU"
+        self.check.value = f"<i>running the step for real, {where}…</i>"
+        where = f"run for real, {where}"
         config = self.config()
         capacity, _ = parse_capacity(config["device"])
-        self.measured = estimate(self.model, self.batch, fake=False, **config)
+        self.measured = estimate(self.model, self.batch, mode=mode, **config)
         estimated = self.update()
         difference = (self.measured.peak - estimated.peak) / estimated.peak if estimated.peak else 0.0
         self.check.value = (
-            f"<div class='nbmem-explore-check' style='font-size:12px'>tracked for real: "
+            f"<div class='nbmem-explore-check' style='font-size:12px'>{where}: "
             f"{format_bytes(self.measured.peak)} allocated at the peak (estimate {format_bytes(estimated.peak)}, "
             f"{difference:+.1%}){'' if self.measured.peak <= capacity else ' — does NOT fit'}</div>"
         )

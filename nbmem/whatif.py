@@ -2,7 +2,7 @@
 
 ``nbmem.sweep(build_model, make_batch, batch_size=[8, 16, 32], precision=["fp32",
 "bf16"])`` runs every combination, each isolated (a fresh model and optimizer),
-estimated on fake tensors or tracked for real, and returns a
+estimated on fake tensors, tracked for real on the CPU or measured on CUDA, and returns a
 :class:`Comparison`: a table with one shared unit, its records, and charts.
 """
 
@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .estimation import Estimate, estimate
+from .estimation import Estimate, _run_device, estimate
 from .results import CATEGORIES, text_table
 from .units import format_bytes
 
@@ -181,11 +181,17 @@ def sweep(
     """Run every combination of the knobs and compare their peaks.
 
     Each knob takes one value or a list. ``mode`` is ``"estimated"`` (fake
-    tensors: no memory, any size) or ``"tracked"`` (the step really runs on
-    this machine's CPU, each tensor accounted). ``device`` (``"T4"``,
-    ``"16GiB"``) adds a capacity: estimates past it are marked, and a tracked
-    run that crosses it fails with an out-of-memory error, recorded as OOM,
-    after which the sweep goes on.
+    tensors: no memory, any size), ``"tracked"`` (the step really runs on
+    this machine's CPU, each tensor accounted) or ``"measured"`` (it really
+    runs on the current CUDA device). ``device`` (``"T4"``, ``"16GiB"``) adds
+    a capacity: estimates past it are marked, and a real run that crosses it
+    fails with an out-of-memory error, recorded as OOM, after which the sweep
+    goes on (a real out-of-memory error on the GPU is recorded the same way).
+
+    Every configuration is isolated: a fresh model and optimizer, all freed
+    (``gc.collect()``) before the next; a measured sweep also returns the
+    cached blocks to CUDA (``torch.cuda.empty_cache()``) between
+    configurations, so each one's reserved peak is its own.
 
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     >>> make = lambda n: (torch.randn(n, 64), torch.randint(0, 4, (n,)))
@@ -193,11 +199,7 @@ def sweep(
     >>> [record["optimizer"] for record in table.to_records()]
     ['sgd', 'adamw', 'sgd', 'adamw']
     """
-    if mode not in ("estimated", "tracked"):
-        raise ValueError(
-            f"unknown mode {mode!r}: use 'estimated' (fake tensors) or 'tracked' (a real run on the CPU); "
-            "measured sweeps on CUDA are not built yet"
-        )
+    _run_device(mode)  # an unknown mode, or 'measured' without CUDA, fails before anything runs
     grid = {
         "batch_size": _values("batch_size", batch_size),
         "precision": _values("precision", precision),
@@ -215,20 +217,27 @@ def sweep(
         config = tuple(zip(grid, combination))
         options = dict(config)
         try:
-            result = estimate(model, batch, loss=loss, foreach=foreach, device=device, fake=mode == "estimated",
+            result = estimate(model, batch, loss=loss, foreach=foreach, device=device, mode=mode,
                               **_enforced(mode, capacity), **options)
             rows.append(SweepRow(config, result))
         except torch.OutOfMemoryError:
             rows.append(SweepRow(config, None, "OOM"))
         finally:
-            gc.collect()  # each configuration starts from what the previous one left: nothing
+            _isolate(mode)
     swept = tuple(axis for axis in AXES if len(grid[axis]) > 1)
     return Comparison(rows, swept, mode, capacity, label or "")
 
 
 def _enforced(mode: str, capacity: int | None) -> dict[str, Any]:
-    """A tracked run enforces the capacity (the op that crosses it raises); an estimate only compares."""
-    return {"enforce_capacity": capacity is not None and mode == "tracked"}
+    """A real run enforces the capacity (the op that crosses it raises); an estimate only compares."""
+    return {"enforce_capacity": capacity is not None and mode != "estimated"}
+
+
+def _isolate(mode: str) -> None:
+    """Free what one configuration left, so the next starts from nothing of it."""
+    gc.collect()
+    if mode == "measured":
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -321,12 +330,16 @@ def max_batch_size(
     foreach: bool | None = None,
     accumulation: int = 1,
     limit: int = 1 << 16,
+    verify: str = "auto",
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
 
     First predicted from fake-tensor estimates (fixed memory plus memory per
-    sample, extrapolated, then refined on estimates), then verified for real:
-    on this CPU the step runs tracked on a virtual device of that capacity.
+    sample, extrapolated, then refined on estimates), then verified for real
+    (``verify``): ``"measured"`` runs the step on the current CUDA device,
+    ``"tracked"`` on this CPU, each on a virtual device of that capacity (an
+    allocation past it raises, as on the real card); ``"auto"`` measures
+    where CUDA is available and tracks otherwise.
     The answer is always a size that ran, with the next size up seen to fail
     (or ``limit`` reached): memory is not always monotonic in batch size, so
     nothing untested is returned. With ``accumulation=N`` the size is the
@@ -342,6 +355,11 @@ def max_batch_size(
     """
     from .devices import parse_capacity
 
+    if verify == "auto":
+        verify = "measured" if torch.cuda.is_available() else "tracked"
+    if verify not in ("tracked", "measured"):
+        raise ValueError(f"unknown verify mode {verify!r}: use 'auto', 'tracked' (this CPU) or 'measured' (CUDA)")
+    _run_device(verify)
     capacity, label = parse_capacity(device)
     options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
                    accumulation=accumulation)
@@ -363,15 +381,15 @@ def max_batch_size(
 
     def fits(size: int) -> bool:
         try:
-            result = estimate(model, batch, batch_size=size, fake=False, device=capacity, enforce_capacity=True, **options)
+            result = estimate(model, batch, batch_size=size, mode=verify, device=capacity, enforce_capacity=True, **options)
         except torch.OutOfMemoryError:
             trials.append((size, None))
             return False
         finally:
-            gc.collect()
+            _isolate(verify)
         trials.append((size, result.peak))
         return True
 
     # verify for real around the prediction: both sides of the boundary are tried
     found = _boundary(fits, max(predicted, 1), limit)
-    return BatchSizeResult(found, predicted, capacity, label, "tracked", tuple(trials), estimates, limit, accumulation)
+    return BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation)

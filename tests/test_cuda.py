@@ -136,3 +136,46 @@ def test_virtual_capacity_on_cuda_tensors(device):
     with pytest.raises(torch.OutOfMemoryError, match="virtual device"):
         with nbmem.measure(device, capacity="4MiB"):
             torch.empty(8 * MiB, dtype=torch.uint8, device=device)
+
+
+# What-if on CUDA (issue 4): the same step measured, estimated and tracked.
+
+
+def mlp():
+    return torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
+
+
+def mlp_batch(n):
+    return torch.randn(n, 256), torch.randint(0, 10, (n,))  # made on the CPU, as a DataLoader's would be
+
+
+def test_measured_step_runs_on_cuda_and_agrees_with_the_estimate(device):
+    before = torch.cuda.memory_allocated(device)
+    measured = nbmem.estimate(mlp, mlp_batch, batch_size=64, mode="measured")
+    estimated = nbmem.estimate(mlp, mlp_batch, batch_size=64)
+    assert measured.mode == "measured" and measured.device == str(device)
+    assert str(measured).startswith(f"gpumem step (measured: run for real on {device}")
+    assert measured.reserved is not None and measured.reserved >= measured.peak
+    # cuBLAS's workspace goes through the allocator on the first matmul and the estimate lists it apart
+    # (up to 32 MiB on Hopper), so the measured step may exceed the estimate by that much
+    extra = measured.steady - estimated.steady
+    assert -0.02 * estimated.steady <= extra <= 32 * MiB + 0.02 * estimated.steady
+    assert torch.cuda.memory_allocated(device) - before <= 64 * MiB  # only the cuBLAS workspace stays
+
+
+def test_measured_sweep_records_a_real_out_of_memory_error_and_goes_on(device):
+    huge = (torch.cuda.get_device_properties(device).total_memory // 1024) * 2  # a batch twice the card
+    table = nbmem.sweep(mlp, lambda n: (torch.randn(n, 256, device=device), torch.randint(0, 10, (n,), device=device)),
+                        batch_size=[8, huge // 256, 16], mode="measured")
+    assert [row.error for row in table] == [None, "OOM", None]
+    assert table.rows[2].result.peak > table.rows[0].result.peak
+    assert table.mode == "measured"
+
+
+def test_max_batch_size_verified_on_cuda(device):
+    build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))  # noqa: E731
+    make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))  # noqa: E731
+    found = nbmem.max_batch_size(build, make, device="64MiB", optimizer="sgd", verify="measured")
+    sizes = dict(found.trials)
+    assert found.mode == "measured"
+    assert sizes[found.batch_size] is not None and sizes[found.batch_size + 1] is None

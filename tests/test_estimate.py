@@ -73,11 +73,22 @@ def test_estimate_agrees_with_a_tracked_real_run(family, knobs):
     torch.manual_seed(0)
     estimated = estimate(build, make, batch_size=8, **knobs)
     torch.manual_seed(0)
-    tracked = estimate(build, make, batch_size=8, fake=False, **knobs)
+    tracked = estimate(build, make, batch_size=8, mode="tracked", **knobs)
     assert (estimated.mode, tracked.mode) == ("estimated", "tracked")
     assert estimated.peak == pytest.approx(tracked.peak, rel=0.01)
     assert estimated.steady == pytest.approx(tracked.steady, rel=0.01)
     assert sum(size for _, size in estimated.breakdown.at_peak) == estimated.peak
+
+
+def test_each_mode_says_how_it_was_made():
+    build, make = FAMILIES["mlp"]
+    estimated = str(estimate(build, make, batch_size=4))
+    tracked = str(estimate(build, make, batch_size=4, mode="tracked"))
+    assert estimated.startswith("gpumem estimate (estimated on fake tensors, no data, nothing allocated)")
+    assert "simulated caching allocator" in estimated
+    assert tracked.startswith("gpumem step (tracked: run for real on the cpu, every tensor accounted)")
+    with pytest.raises(ValueError, match="unknown mode 'real'"):
+        estimate(build, make, batch_size=4, mode="real")
 
 
 def test_exact_parameters_and_state_for_an_mlp():

@@ -64,12 +64,25 @@ def test_plots():
 
 
 def test_bad_input():
-    with pytest.raises(ValueError, match="measured sweeps on CUDA are not built yet"):
-        nbmem.sweep(build, make, batch_size=8, mode="measured")
+    with pytest.raises(ValueError, match="unknown mode 'fast'.*'estimated'.*'tracked'.*'measured'"):
+        nbmem.sweep(build, make, batch_size=8, mode="fast")
+    with pytest.raises(ValueError, match="unknown verify mode 'cuda'"):
+        nbmem.max_batch_size(build, make, device="1MiB", verify="cuda")
     with pytest.raises(ValueError, match="no values"):
         nbmem.sweep(build, make, batch_size=[])
     with pytest.raises(ValueError, match="positive whole number"):
         nbmem.sweep(build, make, batch_size=[8, -1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_measured_without_cuda_says_what_to_use_instead():
+    for call in (
+        lambda: nbmem.sweep(build, make, batch_size=8, mode="measured"),
+        lambda: nbmem.estimate(build, make, batch_size=8, mode="measured"),
+        lambda: nbmem.max_batch_size(build, make, device="1MiB", verify="measured"),
+    ):
+        with pytest.raises(ValueError, match="none is available here: use mode='tracked'"):
+            call()
 
 
 def classify_build():
