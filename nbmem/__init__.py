@@ -33,6 +33,9 @@ __all__ = [
     "Comparison",
     "max_batch_size",
     "explore",
+    "launch",
+    "Launch",
+    "STRATEGIES",
     "free",
     "Reclaimed",
     "diagnose",
@@ -58,6 +61,9 @@ _LAZY = {
     "sweep": "whatif",
     "max_batch_size": "whatif",
     "explore": "explorer",
+    "launch": "parallel",
+    "Launch": "parallel",
+    "STRATEGIES": "parallel",
     "Comparison": "whatif",
     "Estimate": "estimation",
     "free": "reclaim",
@@ -75,6 +81,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .diagnose import diagnose
     from .estimation import Estimate, estimate
     from .explorer import explore
+    from .parallel import STRATEGIES, Launch, launch
     from .whatif import Comparison, max_batch_size, sweep
     from .magics import history
     from .reclaim import Reclaimed, free

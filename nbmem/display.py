@@ -166,8 +166,8 @@ def comparison_figure(comparison: Any, kind: str = "lines") -> Any:
         if comparison.capacity is not None:
             axes.axhline(comparison.capacity / scale, color="#b00020", linestyle="--",
                          label=f"capacity {comparison.capacity_label or ''}".strip())
-        axes.set_xlabel(row_axis or "configuration")
-        if row_axis == "batch_size":
+        axes.set_xlabel({"world_size": "GPUs (world size)"}.get(row_axis or "", row_axis or "configuration"))
+        if row_axis in ("batch_size", "world_size"):
             axes.set_xscale("log", base=2)
             axes.set_xticks(row_values, [str(value) for value in row_values])
             axes.minorticks_off()
@@ -185,7 +185,8 @@ def comparison_figure(comparison: Any, kind: str = "lines") -> Any:
                 axes.bar(range(len(heights)), heights, bottom=bottoms, color=_COLOURS[name], label=name)
                 bottoms = [bottom + height for bottom, height in zip(bottoms, heights)]
         axes.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize=7)
-    axes.set_ylabel(f"peak allocated ({unit})")
+    per_gpu = " per GPU" if any(row.value("world_size") != 1 for row in comparison.rows) else ""
+    axes.set_ylabel(f"peak allocated{per_gpu} ({unit})")
     axes.set_title(f"gpumem sweep ({comparison.mode})", fontsize=10)
     axes.legend(fontsize=7)
     return displayable(figure)

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .parallel import check_parallel, parallelize, per_device_batch, process_group
 from .results import Breakdown
 from .scope import MemoryScope
 from .tracking import Tracker
@@ -87,6 +88,11 @@ class Estimate:
     mode: str = "estimated"
     #: Where the step ran: "cpu" for fake tensors and tracked runs, "cuda:N" when measured.
     device: str = "cpu"
+    #: The data-parallel strategy (nbmem.parallel.STRATEGIES) and its GPUs; figures are per GPU (rank 0).
+    parallel: str = "single"
+    world_size: int = 1
+    #: Which rank's view (ranks can differ a little: uneven shards, ZeRO's partition).
+    rank: int = 0
     notes: tuple[str, ...] = ()
     overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
 
@@ -96,7 +102,13 @@ class Estimate:
 
     @property
     def effective_batch(self) -> int:
+        """Samples per optimizer step on one GPU: the micro-batch times the accumulation steps."""
         return self.batch_size * self.accumulation
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step across all GPUs."""
+        return self.effective_batch * self.world_size
 
     @property
     def fits(self) -> bool | None:
@@ -113,9 +125,15 @@ class Estimate:
             "tracked": f"step (tracked: run for real on the {self.device}, every tensor accounted)",
             "measured": f"step (measured: run for real on {self.device}, CUDA's caching allocator)",
         }[self.mode]
+        scale = (
+            f", {self.parallel} on {self.world_size} GPUs (figures per GPU, rank {self.rank}; global batch {self.global_batch})"
+            if self.parallel != "single"
+            else ""
+        )
         lines = [
             f"gpumem {how}: "
-            f"batch {self.batch_size}{accumulate}, {self.precision}, {self.optimizer}, checkpointing {self.checkpointing}",
+            f"batch {self.batch_size}{accumulate}, {self.precision}, {self.optimizer}, checkpointing {self.checkpointing}"
+            f"{scale}",
             f"  parameters       {self.parameters:,}",
             f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
             f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
@@ -155,7 +173,7 @@ def estimate(
     model: nn.Module | Callable[[], nn.Module],
     batch: Callable[[int], Any],
     *,
-    batch_size: int,
+    batch_size: int | None = None,
     loss: Callable[[Any, Any], torch.Tensor] | None = None,
     optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
     precision: str = "fp32",
@@ -165,6 +183,10 @@ def estimate(
     device: int | str | None = None,
     mode: str = "estimated",
     enforce_capacity: bool = False,
+    parallel: str = "single",
+    world_size: int = 1,
+    global_batch_size: int | None = None,
+    rank: int = 0,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -183,12 +205,20 @@ def estimate(
     what was allocated before). ``enforce_capacity=True`` makes a real run
     raise ``torch.OutOfMemoryError`` at the op that crosses ``device``.
 
+    ``parallel`` (``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"fsdp-no-reshard"``;
+    see :data:`nbmem.parallel.STRATEGIES`) with ``world_size`` GPUs gives
+    what one GPU holds (rank 0, the largest shard): estimated with PyTorch's
+    fake process group, so any world size runs here. ``batch_size`` is per
+    GPU; or give ``global_batch_size``, which must divide into ``world_size``
+    x ``accumulation``. Real runs of a strategy: :func:`nbmem.launch`.
+
     >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
     >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
     >>> result.breakdown.category("parameter")   # 4198400 + 40960 + 512
     4239872
     """
+    batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
     _check(batch_size, precision, optimizer, accumulation)
     run_on = _run_device(mode)
     capacity = label = None
@@ -208,18 +238,30 @@ def estimate(
 
         tracker = Tracker("cpu")
         tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False)
+        # a launched rank (gloo on the CPU): gloo's own flat copies, made in its worker threads, are not
+        # counted; NCCL, which a GPU run uses, works on FSDP's buffers in place
+        tracker.adopt_unseen = not (mode == "tracked" and parallel != "single")
         scope = functools.partial(MemoryScope, tracker=tracker)
         before = (0, 0)
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    if fake_mode is None:
+        rank = _real_rank(parallel)
+    elif isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be one of the {world_size} ranks, 0 to {world_size - 1}, got {rank!r}")
+    group = process_group(parallel, world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        with _without_onednn(), outer, scope(capacity=limit):
+        with group as mesh, _without_onednn(), outer, scope(capacity=limit) as whole:
             network = _fresh_model(model, fake_mode, run_on)
+            block = repeated_blocks(network)
             chosen = _apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
             optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
-            opt = make_optimizer(network.parameters(), **optimizer_kwargs)
+            network, opt = parallelize(
+                network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
+                optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify if whole.tracker else _ignore,
+            )
             scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
             step = functools.partial(_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on)
             peaks, reserved, breakdowns = [], [], []
@@ -267,8 +309,40 @@ def estimate(
         capacity_label=label or "",
         mode=mode,
         device=str(run_on),
+        parallel=parallel,
+        world_size=world_size,
+        rank=rank,
         notes=tuple(notes),
     )
+
+
+def _real_rank(parallel: str) -> int:
+    """This process's rank in a real run (0 on a single device)."""
+    if parallel == "single":
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _ignore(tensor: torch.Tensor, category: str) -> None:
+    """No tracker to tell what a tensor is for (a measured run without a breakdown)."""
+
+
+def resolve_batch_size(
+    batch_size: int | None, global_batch_size: int | None, parallel: str, world_size: int, accumulation: int
+) -> int:
+    """The per-GPU batch size, from ``batch_size`` or a ``global_batch_size``; ValueError naming what to pass."""
+    check_parallel(parallel, world_size)
+    if (batch_size is None) == (global_batch_size is None):
+        raise ValueError(
+            "pass batch_size (per GPU) or global_batch_size (across GPUs and micro-batches), exactly one of them"
+        )
+    if global_batch_size is not None:
+        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
+        return per_device_batch(global_batch_size, world_size, accumulation)
+    return batch_size  # type: ignore[return-value]
 
 
 def _run_device(mode: str) -> torch.device:

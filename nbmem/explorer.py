@@ -17,10 +17,16 @@ from typing import Any
 from . import _env
 from .devices import PRESETS, parse_capacity
 from .estimation import OPTIMIZERS, PRECISIONS, Estimate, estimate
+from .parallel import STRATEGIES, check_parallel, launch
 from .results import stacked_bar_html
 from .units import format_bytes
 
 __all__ = ["explore", "Explorer"]
+
+#: The GPU counts the panel offers (estimates answer any of them).
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+#: The most ranks the button launches for real on this machine.
+LAUNCH_LIMIT = 4
 
 
 class Explorer:
@@ -38,10 +44,15 @@ class Explorer:
         checkpointing: bool = False,
         optimizer: str = "adamw",
         accumulation: int = 1,
+        parallel: str = "single",
+        world_size: int = 1,
     ) -> None:
         import ipywidgets as widgets
 
-        parse_capacity(device)  # a clear error now rather than in a callback
+        parse_capacity(device)  # clear errors now rather than in a callback
+        check_parallel(parallel, world_size)
+        if world_size not in WORLD_SIZES:
+            raise ValueError(f"the explorer offers world sizes {', '.join(map(str, WORLD_SIZES))}, got {world_size}")
         self.model, self.batch = model, batch
         self._cache: dict[tuple, Estimate] = {}
         self.last: Estimate | None = None
@@ -58,6 +69,10 @@ class Explorer:
                                               continuous_update=False, style=style),
             "device": widgets.Dropdown(options=list(PRESETS) if device in PRESETS else [device, *PRESETS], value=device,
                                        description="device", style=style),
+            "parallel": widgets.Dropdown(options=list(STRATEGIES), value=parallel, description="data parallel",
+                                         style=style),
+            "world_size": widgets.Dropdown(options=list(WORLD_SIZES), value=world_size, description="GPUs",
+                                           disabled=parallel == "single", style=style),
         }
         self.chart = widgets.HTML()
         self.chart.add_class("nbmem-explore-chart")
@@ -66,8 +81,9 @@ class Explorer:
         for control in self.controls.values():
             control.observe(self._changed, names="value")
         self.button.on_click(self._measure)
+        rows = list(self.controls.values())
         self.view = widgets.VBox(
-            [widgets.HBox(list(self.controls.values())[:3]), widgets.HBox(list(self.controls.values())[3:]),
+            [widgets.HBox(rows[:3]), widgets.HBox(rows[3:6]), widgets.HBox(rows[6:]),
              self.chart, widgets.HBox([self.button]), self.check]
         )
         self.view.add_class("nbmem-explore")
@@ -77,6 +93,14 @@ class Explorer:
         return {name: control.value for name, control in self.controls.items()}
 
     def _changed(self, change: Any) -> None:
+        if change["owner"] is self.controls["parallel"]:
+            # one device has no GPU count; a strategy starts from the count shown
+            single = change["new"] == "single"
+            size = self.controls["world_size"]
+            size.disabled = single
+            if single and size.value != 1:
+                size.value = 1  # observed: updates once more, with both knobs consistent
+                return
         self.update()
 
     def update(self) -> Estimate:
@@ -91,14 +115,27 @@ class Explorer:
         self.seconds = time.perf_counter() - started
         return self.last
 
-    def _measure(self, button: Any = None) -> Estimate:
+    def _measure(self, button: Any = None) -> Estimate | None:
+        config = self.config()
+        ranks = config["world_size"]
+        if ranks > LAUNCH_LIMIT:
+            self.check.value = (
+                f"<div class='nbmem-explore-check' style='font-size:12px'>a real check launches one process per GPU "
+                f"on this machine, at most {LAUNCH_LIMIT}: choose {LAUNCH_LIMIT} GPUs or fewer to check the "
+                f"estimate</div>"
+            )
+            return None
         mode = "measured" if torch.cuda.is_available() else "tracked"
         where = "measured on CUDA" if mode == "measured" else "tracked on this CPU"
+        if config["parallel"] != "single":
+            where = f"{ranks} real ranks {where}, the largest shown"
         self.check.value = f"<i>running the step for real, {where}…</i>"
         where = f"run for real, {where}"
-        config = self.config()
         capacity, _ = parse_capacity(config["device"])
-        self.measured = estimate(self.model, self.batch, mode=mode, **config)
+        if config["parallel"] == "single":
+            self.measured = estimate(self.model, self.batch, mode=mode, **config)
+        else:
+            self.measured = launch(self.model, self.batch, mode=mode, **config).worst
         estimated = self.update()
         difference = (self.measured.peak - estimated.peak) / estimated.peak if estimated.peak else 0.0
         self.check.value = (
@@ -125,10 +162,15 @@ def _chart_html(result: Estimate) -> str:
         else f"fits: {format_bytes(result.peak)} of {format_bytes(capacity)} ({result.peak / capacity:.0%})"
     )
     reserved = f"; reserved {format_bytes(result.reserved)} (simulated)" if result.reserved is not None else ""
+    scale = (
+        f"; per GPU, {result.parallel} on {result.world_size} GPUs (global batch {result.global_batch})"
+        if result.parallel != "single"
+        else ""
+    )
     return (
         "<div style='font-family:sans-serif;font-size:13px;max-width:48em'>"
         f"<div>estimated peak on <b>{html.escape(result.capacity_label)}</b>: {verdict}{reserved}; "
-        f"effective batch {result.effective_batch}</div>"
+        f"effective batch {result.effective_batch}{scale}</div>"
         + stacked_bar_html([*segments, ("free", free)], "nbmem-explore-bar")
         + "</div></div>"
     )
@@ -138,7 +180,9 @@ def explore(model: Any, batch: Any, **options: Any) -> Explorer | None:
     """Open the explorer panel (a notebook with widgets); elsewhere, say so and suggest ``nbmem.sweep``.
 
     Options: ``batch_size``, ``max_batch_size`` (the slider's end), ``device``,
-    ``precision``, ``checkpointing``, ``optimizer``, ``accumulation``.
+    ``precision``, ``checkpointing``, ``optimizer``, ``accumulation``,
+    ``parallel`` and ``world_size`` (the figures are then per GPU; the
+    button launches real ranks on this machine for up to 4 GPUs).
     """
     if not _env.widgets_usable():
         print(

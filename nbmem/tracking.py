@@ -14,14 +14,22 @@ input: they count as already allocated when the scope began ("adopted").
 
 from __future__ import annotations
 
+import collections
 import functools
 import heapq
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode,
+    _push_mode,
+    is_traceable_wrapper_subclass,
+)
 
 from .counters import PeakScopes
 from .results import CATEGORIES
@@ -47,6 +55,8 @@ class _TrackingMode(TorchDispatchMode):
         # should read like CUDA's, ending at the user's op
         __tracebackhide__ = True
         tracker = self.tracker
+        if tracker._foreign:
+            tracker.drain()
         tracker._op_index += 1
         tracker._op = func
         if tracker._recordings:
@@ -57,11 +67,14 @@ class _TrackingMode(TorchDispatchMode):
             if kwargs:
                 tracker._adopt_all(kwargs.values())
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if tracker._foreign:  # freed while the op ran: before its outputs, which may reuse the storage's place
+            tracker.drain()
         tracker._note(out)
         return out
 
 
 _RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class StorageRecord:
@@ -136,9 +149,19 @@ class Tracker:
         self.last_oom: VirtualOOM | None = None
         #: A CachingAllocatorSimulation fed every allocation and free, when set.
         self.simulator: Any = None
+        #: Whether a storage first seen as an op's input is counted ("adopted"):
+        #: one made before tracking began, or made where no dispatch mode sees it
+        #: (a communication backend's worker thread). A launched rank, whose
+        #: whole step is tracked, counts only what it saw made (see nbmem.launch).
+        self.adopt_unseen = True
         self._on_device = _device_test(self.device)
         self._storages: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.ref] = {}
+        # Storages that died on another thread (a communication backend's
+        # worker letting go of a collective's tensors), counted as freed before
+        # this thread's next op: the counters are only ever changed here.
+        self._thread = threading.get_ident()
+        self._foreign: collections.deque[tuple[int, weakref.ref]] = collections.deque()
         self._categories = dict.fromkeys(CATEGORIES, 0)
         self._modules: dict[str | None, int] = {}
         self._allocated = 0
@@ -163,12 +186,14 @@ class Tracker:
     # -- the peak-counter protocol ----------------------------------------
 
     def allocated(self) -> int:
+        self.drain()
         return self._allocated
 
     def reserved(self) -> None:
         return None
 
     def peak_allocated(self) -> int:
+        self.drain()
         return self._peak
 
     def peak_reserved(self) -> None:
@@ -249,6 +274,7 @@ class Tracker:
             except BaseException:
                 self._attribution.remove()
                 raise
+            _watch_resizes(self)
         self._depth += 1
 
     def deactivate(self) -> None:
@@ -262,6 +288,7 @@ class Tracker:
             try:
                 _remove_mode(mode)
             finally:
+                _unwatch_resizes(self)
                 attribution.remove()
 
     def __enter__(self) -> "Tracker":
@@ -298,6 +325,10 @@ class Tracker:
         is described by what each storage turned out to be.
         """
         if not self._on_device(tensor):
+            return
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor: what its local shard is for
+            for part in _parts(tensor):
+                self.classify(part, category, module)
             return
         key = self.storage_key(tensor)
         if key is None:
@@ -353,12 +384,17 @@ class Tracker:
         __tracebackhide__ = True
         if not self._on_device(tensor):
             return
+        if type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor):
+            # a DTensor's own storage is a placeholder of the global size: its memory is its local shard
+            for part in _parts(tensor):
+                self._count(part, adopt)
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            # A sparse tensor has no storage of its own: its memory is that of
-            # its index and value tensors. Nested tensors are not counted.
-            for part in _sparse_parts(tensor):
+            # A sparse tensor or a DTensor has no storage of its own: its
+            # memory is that of its parts. Nested tensors are not counted.
+            for part in _parts(tensor):
                 self._count(part, adopt)
             return
         key = storage._cdata
@@ -366,21 +402,9 @@ class Tracker:
         if record is not None:
             if adopt:
                 return
-            size = round_allocation(storage.nbytes(), self.block)
-            if size == record.size:
-                return
-            # resized in place (out= arguments, resize_, set_): count the change
-            if size > record.size:
-                self._check_capacity(size - record.size)
-            elif self._allocated == self._peak:
-                self._settle_peak()
-            self._categories[record.category] += size - record.size
-            self._modules[record.module] += size - record.size
-            growth, record.size = size - record.size, size
-            if self.simulator is not None:
-                self.simulator.free(key)
-                self.simulator.malloc(key, size)
-            self._grow(growth, record.module)
+            self._resized(key, record, storage.nbytes())
+            return
+        if adopt and not self.adopt_unseen:
             return
         size = round_allocation(storage.nbytes(), self.block)
         if not adopt:
@@ -407,6 +431,31 @@ class Tracker:
         else:
             self._grow(size, module)
 
+    def _resized(self, key: int, record: StorageRecord, nbytes: int) -> None:
+        """A storage resized in place (out= arguments, resize_, set_, ``storage.resize_``): count the change."""
+        __tracebackhide__ = True
+        size = round_allocation(nbytes, self.block)
+        if size == record.size:
+            return
+        if size > record.size:
+            self._check_capacity(size - record.size)
+        elif self._allocated == self._peak:
+            self._settle_peak()
+        self._categories[record.category] += size - record.size
+        self._modules[record.module] += size - record.size
+        growth, record.size = size - record.size, size
+        if self.simulator is not None:
+            self.simulator.free(key)
+            if size:
+                self.simulator.malloc(key, size)
+        self._grow(growth, record.module)
+
+    def storage_resized(self, storage: Any) -> None:
+        """``storage.resize_()`` ran (FSDP2 frees and refills gathered parameters this way)."""
+        record = self._storages.get(storage._cdata)
+        if record is not None:
+            self._resized(storage._cdata, record, storage.nbytes())
+
     def _grow(self, size: int, module: str | None) -> None:
         self._allocated += size
         if self._allocated > self._peak:
@@ -415,6 +464,12 @@ class Tracker:
             self._peak_op = (self._op_index, self._op, module)
 
     def _free(self, key: int, ref: weakref.ref) -> None:
+        if threading.get_ident() != self._thread:
+            self._foreign.append((key, ref))  # deque.append is atomic; counted by drain()
+            return
+        self._release(key, ref)
+
+    def _release(self, key: int, ref: weakref.ref) -> None:
         if self._refs.get(key) is ref:
             if self._allocated == self._peak:
                 self._settle_peak()
@@ -426,6 +481,11 @@ class Tracker:
             self._allocated -= record.size
             self._categories[record.category] -= record.size
             self._modules[record.module] -= record.size
+
+    def drain(self) -> None:
+        """Count the storages that died on other threads since the last op as freed."""
+        while self._foreign:
+            self._release(*self._foreign.popleft())
 
     def settle(self) -> None:
         """Name what code interrupted by an error has made (see Attribution.settle)."""
@@ -479,8 +539,13 @@ class VirtualOOM:
         )
 
 
-def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The dense tensors that hold a sparse tensor's memory (none for other layouts)."""
+def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors that hold the memory of a tensor without a storage of its own.
+
+    A sparse tensor's are its index and value tensors; a wrapper subclass's
+    (a DTensor, as FSDP2's sharded parameters are) its inner tensors, e.g.
+    the local shard. Nested tensors and other layouts: none.
+    """
     layout = tensor.layout
     if layout is torch.sparse_coo:
         return (tensor._indices(), tensor._values())
@@ -488,7 +553,36 @@ def _sparse_parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
     if layout in (torch.sparse_csc, torch.sparse_bsc):
         return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return tuple(inner for inner in (getattr(tensor, name) for name in names) if isinstance(inner, torch.Tensor))
     return ()
+
+
+#: Trackers active now, told of every ``UntypedStorage.resize_`` while any is.
+_RESIZE_WATCHERS: list[Tracker] = []
+_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
+
+
+def _resize_and_tell(storage: Any, size: int) -> Any:
+    """``UntypedStorage.resize_`` while tracking: a storage-level resize is no dispatched op, so no mode sees it."""
+    result = _ORIGINAL_RESIZE(storage, size)
+    for tracker in _RESIZE_WATCHERS:
+        tracker.storage_resized(storage)
+    return result
+
+
+def _watch_resizes(tracker: Tracker) -> None:
+    if not _RESIZE_WATCHERS:
+        torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
+    _RESIZE_WATCHERS.append(tracker)
+
+
+def _unwatch_resizes(tracker: Tracker) -> None:
+    if tracker in _RESIZE_WATCHERS:
+        _RESIZE_WATCHERS.remove(tracker)
+    if not _RESIZE_WATCHERS:
+        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
 
 
 def _remove_mode(mode: TorchDispatchMode) -> None:

@@ -17,13 +17,18 @@ from typing import Any, Iterable
 import torch
 
 from .estimation import Estimate, _run_device, estimate
+from .launcher import RankError
+from .parallel import check_parallel, launch
 from .results import CATEGORIES, text_table
 from .units import format_bytes
 
 __all__ = ["sweep", "Comparison", "SweepRow", "AXES", "max_batch_size", "BatchSizeResult"]
 
+#: The most ranks a real data-parallel check launches on this machine (each a process).
+MAX_LAUNCH_RANKS = 8
+
 #: The knobs a sweep can vary, in the order a table shows them.
-AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation")
+AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation", "parallel", "world_size")
 
 _UNITS = (("B", 1), ("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3), ("TiB", 1024**4))
 
@@ -72,7 +77,8 @@ class Comparison:
 
     def _grid(self) -> tuple[str | None, list[Any], list[tuple], dict]:
         """(row axis, row values, column keys, {(row value, column key): SweepRow})."""
-        row_axis = "batch_size" if "batch_size" in self.axes else (self.axes[0] if self.axes else None)
+        row_axis = next((axis for axis in ("batch_size", "world_size") if axis in self.axes), None)
+        row_axis = row_axis or (self.axes[0] if self.axes else None)
         column_axes = [axis for axis in self.axes if axis != row_axis]
         row_values = list(dict.fromkeys(row.value(row_axis) for row in self.rows)) if row_axis else [None]
         columns = list(dict.fromkeys(tuple(row.value(axis) for axis in column_axes) for row in self.rows))
@@ -93,21 +99,36 @@ class Comparison:
             return row.error
         unit, size = self.unit
         text = f"{row.peak / size:.3g}"
-        if self.capacity is not None and row.peak > self.capacity:
+        if self.capacity is not None and not _fits(row, self.capacity):
             text += " (no fit)"
         return text
 
     def table_rows(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
         row_axis, row_values, columns, cells = self._grid()
         header = (row_axis or "", *(self._column_name(key) for key in columns))
-        body = [(str(value), *(self._cell(cells.get((value, key))) for key in columns)) for value in row_values]
+        body = [(self._row_label(row_axis, value), *(self._cell(cells.get((value, key))) for key in columns))
+                for value in row_values]
         return header, body
+
+    def _row_label(self, axis: str | None, value: Any) -> str:
+        """A world size also says the global batch it trains (when one batch size was swept)."""
+        if axis == "world_size" and "batch_size" not in self.axes and self.rows:
+            first = next((row.result for row in self.rows if row.result is not None), None)
+            if first is not None:
+                return f"{value} (global batch {first.effective_batch * value})"
+        return str(value)
 
     def __str__(self) -> str:
         unit, _ = self.unit
         header, body = self.table_rows()
-        fits = f"; capacity {self.capacity_label or format_bytes(self.capacity)}" if self.capacity is not None else ""
-        head = f"gpumem sweep: peak allocated in {unit}, {self.mode}{fits}"
+        fits = (
+            f"; capacity {self.capacity_label or format_bytes(self.capacity)} (no fit: the peak, or a segment the "
+            "allocator must reserve, is past it)"
+            if self.capacity is not None
+            else ""
+        )
+        per_gpu = " per GPU" if any(row.value("world_size") != 1 for row in self.rows) else ""
+        head = f"gpumem sweep: peak allocated{per_gpu} in {unit}, {self.mode}{fits}"
         return "\n".join([head, *text_table(header, body)])
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -134,7 +155,7 @@ class Comparison:
             record["error"] = row.error
             if row.result is not None:
                 record.update(first_step=row.result.first_step, steady=row.result.steady, peak=row.result.peak,
-                              reserved=row.result.reserved)
+                              reserved=row.result.reserved, global_batch=row.result.global_batch)
                 record.update({f"peak_{name.replace(' ', '_')}": size for name, size in row.result.breakdown.at_peak})
             records.append(record)
         return records
@@ -173,6 +194,8 @@ def sweep(
     checkpointing: Any = False,
     optimizer: Any = "adamw",
     accumulation: int | Iterable[int] = 1,
+    parallel: str | Iterable[str] = "single",
+    world_size: int | Iterable[int] = 1,
     mode: str = "estimated",
     device: int | str | None = None,
     loss: Any = None,
@@ -187,6 +210,12 @@ def sweep(
     a capacity: estimates past it are marked, and a real run that crosses it
     fails with an out-of-memory error, recorded as OOM, after which the sweep
     goes on (a real out-of-memory error on the GPU is recorded the same way).
+
+    ``parallel`` and ``world_size`` compare data-parallel strategies
+    (:data:`nbmem.STRATEGIES`) over GPU counts: figures are per GPU, the batch
+    size per GPU (``"single"`` is only combined with a world size of 1).
+    Estimated, any world size; tracked or measured, each configuration is a
+    real :func:`nbmem.launch` of that many ranks, its largest rank shown.
 
     Every configuration is isolated: a fresh model and optimizer, all freed
     (``gc.collect()``) before the next; a measured sweep also returns the
@@ -206,7 +235,18 @@ def sweep(
         "checkpointing": _values("checkpointing", checkpointing),
         "optimizer": _values("optimizer", optimizer),
         "accumulation": _values("accumulation", accumulation),
+        "parallel": _values("parallel", parallel),
+        "world_size": _values("world_size", world_size),
     }
+    for size in grid["world_size"]:
+        check_parallel("ddp", size)  # a world size that can't be fails before anything runs
+        if mode != "estimated" and size > MAX_LAUNCH_RANKS:
+            raise ValueError(
+                f"a {mode} sweep launches world_size real ranks on this machine, at most {MAX_LAUNCH_RANKS}, and "
+                f"world_size={size} was asked for: estimate larger worlds (mode='estimated')"
+            )
+    for name in grid["parallel"]:
+        check_parallel(name, 1 if name == "single" else 2)
     capacity = label = None
     if device is not None:
         from .devices import parse_capacity
@@ -216,16 +256,35 @@ def sweep(
     for combination in itertools.product(*grid.values()):
         config = tuple(zip(grid, combination))
         options = dict(config)
+        if options["parallel"] == "single" and options["world_size"] != 1:
+            continue  # one device has no world size to vary
         try:
-            result = estimate(model, batch, loss=loss, foreach=foreach, device=device, mode=mode,
-                              **_enforced(mode, capacity), **options)
-            rows.append(SweepRow(config, result))
+            rows.append(SweepRow(config, _run(model, batch, mode, dict(loss=loss, foreach=foreach, device=device,
+                                                                       **_enforced(mode, capacity), **options))))
         except torch.OutOfMemoryError:
             rows.append(SweepRow(config, None, "OOM"))
         finally:
             _isolate(mode)
     swept = tuple(axis for axis in AXES if len(grid[axis]) > 1)
     return Comparison(rows, swept, mode, capacity, label or "")
+
+
+def _fits(row: SweepRow, capacity: int) -> bool:
+    """As Estimate.fits: the allocated peak within the capacity, and every segment reserved."""
+    verdict = row.result.fits if row.result is not None else None
+    return row.peak <= capacity if verdict is None else verdict
+
+
+def _run(model: Any, batch: Any, mode: str, options: dict[str, Any]) -> Estimate:
+    """One configuration: an estimate, a real run here, or (data-parallel, real) a launch's largest rank."""
+    if mode == "estimated" or options["parallel"] == "single":
+        return estimate(model, batch, mode=mode, **options)
+    try:
+        return launch(model, batch, mode=mode, **options).worst
+    except RankError as error:
+        if "OutOfMemoryError" in error.kind:  # one rank ran out: the configuration does not fit
+            raise torch.OutOfMemoryError(str(error)) from error
+        raise
 
 
 def _enforced(mode: str, capacity: int | None) -> dict[str, Any]:
@@ -253,6 +312,8 @@ class BatchSizeResult:
     estimates: int  # fake-tensor estimates used for the prediction
     limit: int
     accumulation: int = 1  # micro-batches per optimizer step the search used
+    parallel: str = "single"  # the data-parallel strategy; sizes are per GPU
+    world_size: int = 1
 
     @property
     def real_trials(self) -> int:
@@ -262,6 +323,11 @@ class BatchSizeResult:
     def effective_batch(self) -> int:
         return self.batch_size * self.accumulation
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step across all GPUs."""
+        return self.effective_batch * self.world_size
+
     def __str__(self) -> str:
         tried = ", ".join(f"{size} {'OOM' if peak is None else format_bytes(peak)}" for size, peak in self.trials)
         per_step = (
@@ -269,8 +335,15 @@ class BatchSizeResult:
             if self.accumulation > 1
             else ""
         )
+        scale = (
+            f" per GPU, {self.parallel} on {self.world_size} GPUs (global batch {self.global_batch}; the largest rank "
+            "verified)"
+            if self.parallel != "single"
+            else ""
+        )
         return (
             f"gpumem max_batch_size on {self.capacity_label or format_bytes(self.capacity)}: {self.batch_size}{per_step}"
+            f"{scale}"
             f" (predicted {self.predicted} from {self.estimates} estimates; verified with {self.real_trials} real"
             f" {self.mode} trials: {tried})\n"
             "  for a larger effective batch, search again with accumulation=N: gradients stay alive across "
@@ -331,6 +404,8 @@ def max_batch_size(
     accumulation: int = 1,
     limit: int = 1 << 16,
     verify: str = "auto",
+    parallel: str = "single",
+    world_size: int = 1,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
 
@@ -346,6 +421,11 @@ def max_batch_size(
     largest micro-batch of an N-micro-batch step (the gradients stay alive
     across micro-batches, so it can be smaller than the largest single batch).
 
+    With ``parallel`` and ``world_size`` the size is per GPU: predicted from
+    estimates of rank 0, verified by real launches (:func:`nbmem.launch`) of
+    ``world_size`` ranks on this machine, the largest rank counting; real
+    launches are limited to :data:`MAX_LAUNCH_RANKS` ranks.
+
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
     >>> found = max_batch_size(build, make, device="8MiB", optimizer="sgd")
@@ -360,9 +440,16 @@ def max_batch_size(
     if verify not in ("tracked", "measured"):
         raise ValueError(f"unknown verify mode {verify!r}: use 'auto', 'tracked' (this CPU) or 'measured' (CUDA)")
     _run_device(verify)
+    check_parallel(parallel, world_size)
+    if world_size > MAX_LAUNCH_RANKS:
+        raise ValueError(
+            f"max_batch_size verifies by launching world_size real ranks on this machine, at most "
+            f"{MAX_LAUNCH_RANKS}, and world_size={world_size}: for larger worlds compare estimates with "
+            f"nbmem.sweep(..., batch_size=[...], parallel={parallel!r}, world_size={world_size})"
+        )
     capacity, label = parse_capacity(device)
     options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
-                   accumulation=accumulation)
+                   accumulation=accumulation, parallel=parallel, world_size=world_size)
     estimates = 0
 
     def estimated(size: int) -> int:
@@ -381,7 +468,8 @@ def max_batch_size(
 
     def fits(size: int) -> bool:
         try:
-            result = estimate(model, batch, batch_size=size, mode=verify, device=capacity, enforce_capacity=True, **options)
+            result = _run(model, batch, verify,
+                          dict(batch_size=size, device=capacity, enforce_capacity=True, **options))
         except torch.OutOfMemoryError:
             trials.append((size, None))
             return False
@@ -392,4 +480,5 @@ def max_batch_size(
 
     # verify for real around the prediction: both sides of the boundary are tried
     found = _boundary(fits, max(predicted, 1), limit)
-    return BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation)
+    return BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
+                           parallel, world_size)

@@ -179,3 +179,31 @@ def test_max_batch_size_verified_on_cuda(device):
     sizes = dict(found.trials)
     assert found.mode == "measured"
     assert sizes[found.batch_size] is not None and sizes[found.batch_size + 1] is None
+
+
+_LAUNCH = """
+import torch, nbmem
+from torch import nn
+build = lambda: nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+make = lambda n: (torch.randn(n, 256), torch.randint(0, 10, (n,)))
+for parallel in ("ddp", "fsdp"):
+    launched = nbmem.launch(build, make, batch_size=32, parallel=parallel, world_size=2, timeout=300)
+    assert launched.mode == "measured", launched.mode
+    estimated = nbmem.estimate(build, make, batch_size=32, parallel=parallel, world_size=2)
+    for rank in launched.ranks:
+        assert rank.device.startswith("cuda"), rank.device
+        error = (rank.peak - estimated.peak) / rank.peak
+        print(parallel, rank.rank, rank.peak, estimated.peak, f"{error:+.2%}")
+        assert abs(error) <= 0.05, error
+"""
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL launch); untested so far")
+def test_launch_measures_every_gpu_with_nccl():
+    import subprocess
+    import sys
+
+    # a fresh process: forked ranks can't use CUDA once this one has initialised it
+    done = subprocess.run([sys.executable, "-c", _LAUNCH], capture_output=True, text=True, timeout=900)
+    print(done.stdout)
+    assert done.returncode == 0, done.stderr[-4000:]

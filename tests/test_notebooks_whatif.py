@@ -1,4 +1,4 @@
-"""The what-if notebooks (03 batch size, 04 precision and checkpointing, 05 estimate before you run).
+"""The what-if notebooks (03 batch size, 04 precision and checkpointing, 05 estimate before you run, 06 scale out).
 
 Each runs headlessly with nbclient in a kernel of its own, once per test
 session: top to bottom without an error (none of them has a cell that is meant
@@ -25,6 +25,7 @@ NAMES = (
     "03-batch-size-and-accumulation.ipynb",
     "04-precision-and-checkpointing.ipynb",
     "05-estimate-before-you-run.ipynb",
+    "06-scale-out.ipynb",
 )
 _RUNS: dict[str, dict[str, Any]] = {}
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
@@ -62,6 +63,11 @@ def nb04() -> nbformat.NotebookNode:
 @pytest.fixture(scope="module")
 def nb05() -> nbformat.NotebookNode:
     return _run(NAMES[2])["notebook"]
+
+
+@pytest.fixture(scope="module")
+def nb06() -> nbformat.NotebookNode:
+    return _run(NAMES[3])["notebook"]
 
 
 def _cell(notebook: nbformat.NotebookNode, first_line: str) -> nbformat.NotebookNode:
@@ -230,3 +236,37 @@ def test_05_knobs_and_batch_sizes(nb05: nbformat.NotebookNode) -> None:
     chosen = _text(_cell(nb05, "best[8]"))
     assert "batch 8, bf16-weights, adamw, checkpointing on (TransformerEncoderLayer)" in chosen
     assert "reserved peak" in chosen and "fits" in chosen
+
+
+# -- 06: scale out -------------------------------------------------------------------------
+
+
+def test_06_one_gpu_and_ddp_do_not_fit(nb06: nbformat.NotebookNode) -> None:
+    one = _text(_cell(nb06, 'one = nbmem.estimate(GPT, make_batch, batch_size=8, device="RTX-4090")'))
+    ddp = _text(_cell(nb06, 'ddp = nbmem.estimate(GPT, make_batch, batch_size=8, parallel="ddp", world_size=8, device="RTX-4090")'))
+    assert "does NOT fit" in one and "does NOT fit" in ddp
+    assert "ddp on 8 GPUs (figures per GPU, rank 0; global batch 64)" in ddp
+    kept = _text(_cell(nb06, 'for name, result in [("one GPU", one), ("DDP, 8 GPUs", ddp)]:'))
+    single, replica = kept.splitlines()
+    assert single.endswith("gradients 0 B") and not replica.endswith("gradients 0 B")  # DDP keeps its buckets
+
+
+def test_06_fsdp_crosses_the_capacity_and_ddp_never_does(nb06: nbformat.NotebookNode) -> None:
+    table = _text(_cell(nb06, 'table = nbmem.sweep(GPT, make_batch, batch_size=8, parallel=["single", "ddp", "zero1", "fsdp"],'))
+    assert table.startswith("gpumem sweep: peak allocated per GPU in GiB, estimated; capacity RTX-4090")
+    rows = [line for line in table.splitlines() if re.match(r"\d+ \(global batch \d+\)", line)]
+    assert [int(line.split()[0]) for line in rows] == [1, 2, 4, 8, 16, 64]
+    ddp_column = [re.split(r"\s{2,}", line.split(")", 1)[1].strip()) for line in rows[1:]]
+    assert all(cells[0].endswith("(no fit)") for cells in ddp_column)  # ddp at every world size
+    assert not ddp_column[-1][-1].endswith("(no fit)")  # fsdp at 64 GPUs
+    assert _has_png(_cell(nb06, "table.plot()"))
+    verdicts = _text(_cell(nb06, "fits = {}"))
+    assert "ddp   : does not fit at any world size tried" in verdicts
+    assert re.search(r"fsdp  : fits from (2|4|8|16) GPUs", verdicts), verdicts
+
+
+def test_06_real_ranks_agree_with_the_estimates(nb06: nbformat.NotebookNode) -> None:
+    checked = _text(_cell(nb06, "def small():"))
+    differences = [float(value) for value in re.findall(r"\(([+-][0-9.]+)%\)", checked)]
+    assert len(differences) == 6 and all(abs(value) <= 2 for value in differences), checked
+    assert "gpumem launch: fsdp on 2 real ranks (tracked, gloo on the CPU)" in _text(_cell(nb06, "launched"))

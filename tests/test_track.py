@@ -114,6 +114,46 @@ def test_out_argument_resize_is_counted():
     del out
 
 
+def test_storage_resize_frees_and_refills():
+    # FSDP2 frees a gathered parameter this way and refills it before the next use
+    with nbmem.track("cpu") as scope:
+        gathered = torch.empty(1024)
+        gathered.untyped_storage().resize_(0)
+        emptied = scope.tracker.allocated()
+        gathered.untyped_storage().resize_(8192)
+    assert emptied == 0 and scope.result.peak == 8192 and scope.result.retained == 8192
+    del gathered
+
+
+def test_a_dtensor_counts_its_local_shard():
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (4,))
+        with nbmem.track("cpu") as scope:
+            sharded = DTensor.from_local(torch.empty(256, 1024), mesh, [Shard(0)])  # a 4 MiB global tensor
+        assert sharded.shape == (1024, 1024) and scope.result.retained == 1 * MiB
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_storage_freed_on_another_thread_is_counted_at_the_next_op():
+    import threading
+
+    with nbmem.track("cpu") as scope:
+        held = [torch.empty(1024)]  # 4 KiB, its last reference handed to a worker thread
+        worker = threading.Thread(target=held.clear)
+        worker.start()
+        worker.join()
+        assert scope.tracker._foreign  # not counted from the worker's thread: its counters are this thread's
+        torch.empty(2048)
+    assert scope.result.peak == 8192 and scope.result.retained == 0
+
+
 def test_meta_tensors_and_other_devices_are_not_counted():
     with nbmem.track("cpu") as scope:
         ghost = torch.empty(1 << 20, device="meta")

@@ -37,7 +37,10 @@ def test_grid_isolated_and_equal_to_single_estimates():
 def test_table_has_one_shared_unit_and_marks_what_does_not_fit():
     table = nbmem.sweep(build, make, batch_size=[8, 64], precision=["fp32", "bf16-weights"], device="2MiB")
     text = str(table)
-    assert text.splitlines()[0] == "gpumem sweep: peak allocated in MiB, estimated; capacity 2MiB"
+    assert text.splitlines()[0] == (
+        "gpumem sweep: peak allocated in MiB, estimated; capacity 2MiB (no fit: the peak, or a segment the allocator "
+        "must reserve, is past it)"
+    )
     assert "precision=fp32" in text and "precision=bf16-weights" in text and "(no fit)" in text
     assert "<table>" in table._repr_html_()
 

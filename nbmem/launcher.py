@@ -1,0 +1,187 @@
+"""Real ranks on this machine: fork N processes, join them into one process group, collect each rank's answer.
+
+Used by :func:`nbmem.launch` to verify a data-parallel estimate. The ranks are
+forked, so a model and batch factory defined in a notebook work as they are
+(nothing is pickled on the way in); each rank's answer comes back pickled
+through a file. The guarantees:
+
+- a rank that fails ends the whole launch: the others are killed, and the
+  error raised in the caller carries that rank's traceback;
+- no rank outlives the launch: every process is killed and reaped on error,
+  on timeout, and on KeyboardInterrupt; each rank also asks the kernel to
+  kill it if its parent dies (Linux ``PR_SET_PDEATHSIG``);
+- a rank's prints go to a log file, never to the notebook's (forked) output
+  machinery; the last lines of a failing rank's log come with its error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+__all__ = ["run_ranks", "RankError"]
+
+
+class RankError(RuntimeError):
+    """A rank of a launch failed; the message has its traceback."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        last = message.rstrip().splitlines()[-1] if message.strip() else ""
+        #: The failing rank's exception type, as its traceback names it ("torch.OutOfMemoryError").
+        self.kind = last.split(":", 1)[0] if ":" in last else ""
+
+
+def run_ranks(
+    target: Callable[[int, int], Any], world_size: int, *, backend: str = "gloo", timeout: float = 300.0
+) -> list[Any]:
+    """Run ``target(rank, world_size)`` in ``world_size`` forked processes, in one process group.
+
+    The process group (``backend``, rendezvous through a file) exists around
+    the call in each rank and is destroyed after it. Returns each rank's
+    return value, in rank order. Raises :class:`RankError` for the first rank
+    that fails, TimeoutError after ``timeout`` seconds.
+    """
+    context = multiprocessing.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="nbmem-launch-") as folder:
+        processes = [
+            context.Process(target=_rank_main, args=(target, rank, world_size, backend, folder), daemon=True)
+            for rank in range(world_size)
+        ]
+        try:
+            for process in processes:
+                process.start()
+            _wait(processes, folder, timeout)
+            return [_load(folder, rank) for rank in range(world_size)]
+        finally:
+            _stop(processes)
+
+
+def _wait(processes: list[Any], folder: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if any(p.exitcode not in (None, 0) for p in processes):
+            # the first rank to fail, which may still be leaving the group when a peer it broke has exited
+            failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0)
+                      or os.path.exists(os.path.join(folder, f"rank{rank}.error"))]
+            rank = min(failed, key=lambda rank: (_finished_at(folder, rank), rank))
+            raise RankError(rank, _failure(folder, rank, processes[rank].exitcode, len(processes)))
+        if all(p.exitcode == 0 for p in processes):
+            return
+        if time.monotonic() > deadline:
+            running = [rank for rank, p in enumerate(processes) if p.exitcode is None]
+            raise TimeoutError(
+                f"the launch took longer than {timeout:g} s: rank(s) {running} still running were killed. "
+                f"Pass a larger timeout= if the step is slow.{_log_tail(folder, running[0])}"
+            )
+        processes[0].join(0.05)
+
+
+def _finished_at(folder: str, rank: int) -> float:
+    """When a rank failed, on the machine's monotonic clock (the first to fail caused the others' failures).
+
+    Read from the error file's first line: file times tick in jiffies, too
+    coarse to order two ranks that fail a millisecond apart.
+    """
+    try:
+        with open(os.path.join(folder, f"rank{rank}.error")) as file:
+            return int(file.readline())
+    except (OSError, ValueError):
+        return float("inf")
+
+
+def _failure(folder: str, rank: int, code: int | None, world_size: int) -> str:
+    try:
+        with open(os.path.join(folder, f"rank{rank}.error")) as file:
+            file.readline()  # when it failed
+            text = file.read().rstrip()
+    except OSError:
+        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        text = f"it ended with {how} before reporting an error{_log_tail(folder, rank)}"
+    return f"rank {rank} of {world_size} failed, so the launch was stopped and every rank killed:\n{text}"
+
+
+def _log_tail(folder: str, rank: int, lines: int = 20) -> str:
+    try:
+        with open(os.path.join(folder, f"rank{rank}.log")) as file:
+            tail = file.read().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return ("\nlast lines rank %d printed:\n" % rank + "\n".join(tail)) if tail else ""
+
+
+def _load(folder: str, rank: int) -> Any:
+    with open(os.path.join(folder, f"rank{rank}.result"), "rb") as file:
+        return pickle.load(file)
+
+
+def _stop(processes: list[Any]) -> None:
+    """Kill whatever still runs, and reap every process (no zombies, no orphans)."""
+    for process in processes:
+        if process.pid is not None and process.exitcode is None:
+            with contextlib.suppress(OSError):
+                process.kill()
+    for process in processes:
+        if process.pid is not None:
+            process.join(10)
+
+
+def _rank_main(target: Callable[[int, int], Any], rank: int, world_size: int, backend: str, folder: str) -> None:
+    code = 1
+    try:
+        _die_with_parent()
+        log = open(os.path.join(folder, f"rank{rank}.log"), "w", buffering=1)
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        import sys
+
+        sys.stdout = sys.stderr = log  # not the notebook's output streams, which the fork copied
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend, init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank, world_size=world_size
+        )
+        try:
+            value = target(rank, world_size)
+        except BaseException:
+            _report(folder, rank)  # now: leaving the group makes its peers fail, and the first error is the cause
+            raise
+        finally:
+            dist.destroy_process_group()
+        with open(os.path.join(folder, f"rank{rank}.result.tmp"), "wb") as file:
+            pickle.dump(value, file)
+        os.replace(os.path.join(folder, f"rank{rank}.result.tmp"), os.path.join(folder, f"rank{rank}.result"))
+        code = 0
+    except BaseException:
+        if not os.path.exists(os.path.join(folder, f"rank{rank}.error")):
+            _report(folder, rank)
+    finally:
+        os._exit(code)  # no atexit handlers: they belong to the parent (the notebook's kernel)
+
+
+def _report(folder: str, rank: int) -> None:
+    """Write when this rank failed and the exception being handled, for the parent to raise."""
+    failed = time.monotonic_ns()
+    with contextlib.suppress(OSError):
+        path = os.path.join(folder, f"rank{rank}.error")
+        with open(f"{path}.tmp", "w") as file:
+            file.write(f"{failed}\n{traceback.format_exc()}")
+        os.replace(f"{path}.tmp", path)  # whole: the parent may read it at any moment
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this rank SIGKILL when its parent dies, so no rank is orphaned."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)

@@ -1,0 +1,373 @@
+"""Data parallelism: what each GPU holds under DDP, ZeRO-1 and FSDP2, for N GPUs.
+
+Data parallelism alone does not shrink what each GPU holds for the model:
+every DDP replica keeps full parameters, gradients (and DDP's gradient
+buckets) and optimizer state. Sharding does: ZeRO-1 shards the optimizer
+state; FSDP2 (``fully_shard``) shards parameters, gradients and optimizer
+state, holding one unit (a repeated block) in full while it runs.
+
+nbmem runs PyTorch's own wrappers rather than formulas:
+
+- **estimated**: one process, fake tensors, and PyTorch's fake process group
+  (``FakeStore`` with the ``fake`` backend, as torchtitan's memory estimation
+  does), as rank 0 of ``world_size``: any world size, in seconds, on a CPU;
+- **verified**: :func:`launch` forks ``world_size`` real ranks on this
+  machine (gloo on a CPU, each rank tracked; NCCL on CUDA, each measured,
+  untested so far) and reports every rank's peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from .units import format_bytes
+
+__all__ = ["STRATEGIES", "launch", "Launch", "check_parallel"]
+
+#: The data-parallel strategies and what each GPU holds under them.
+STRATEGIES: dict[str, str] = {
+    "single": "one device: the whole model, its gradients and optimizer state",
+    "ddp": "DistributedDataParallel: a full replica, plus gradient buckets as large as the gradients",
+    "zero1": "DDP with ZeroRedundancyOptimizer: the optimizer state sharded across the GPUs",
+    "fsdp": "FSDP2 fully_shard: parameters, gradients and optimizer state sharded; one block gathered at a time",
+    "fsdp-no-reshard": "FSDP2 with reshard_after_forward=False: gathered parameters kept from forward to backward "
+    "(ZeRO-2-like)",
+}
+
+
+def check_parallel(parallel: str, world_size: Any) -> None:
+    """ValueError naming what is accepted, for an unknown strategy or a world size that can't be."""
+    if parallel not in STRATEGIES:
+        raise ValueError(f"unknown parallel strategy {parallel!r}: use one of {', '.join(STRATEGIES)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number of GPUs, at least 1, got {world_size!r}")
+    if parallel == "single" and world_size != 1:
+        raise ValueError(
+            f"parallel='single' runs on one device, but world_size={world_size}: pick a strategy for "
+            f"{world_size} GPUs ({', '.join(name for name in STRATEGIES if name != 'single')})"
+        )
+
+
+def per_device_batch(global_batch_size: Any, world_size: int, accumulation: int) -> int:
+    """The per-GPU micro-batch of a global batch; ValueError unless it divides evenly."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive whole number, got {global_batch_size!r}")
+    share = world_size * accumulation
+    if global_batch_size % share:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} does not divide into {world_size} GPUs x {accumulation} "
+            f"micro-batches: use a multiple of {share} (e.g. {global_batch_size // share * share or share} or "
+            f"{(global_batch_size // share + 1) * share})"
+        )
+    return global_batch_size // share
+
+
+@contextlib.contextmanager
+def process_group(parallel: str, world_size: int, *, fake: bool, device_type: str, rank: int = 0) -> Iterator[Any]:
+    """The process group a step runs in; yields the device mesh FSDP2 needs (None otherwise).
+
+    Estimating, nbmem makes PyTorch's fake process group (rank 0 of
+    ``world_size``; collectives do nothing) and removes it afterwards. A real
+    run must be inside its ranks' process group, as :func:`launch` makes it.
+    """
+    if parallel == "single":
+        yield None
+        return
+    import torch.distributed as dist
+
+    if fake:
+        if dist.is_initialized():
+            raise ValueError(
+                "estimating a data-parallel step makes its own (fake) process group, and this process already "
+                "has one: estimate from a process outside your distributed job (a notebook, a script)"
+            )
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield _mesh(parallel, world_size, device_type)
+        finally:
+            dist.destroy_process_group()
+        return
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        raise ValueError(
+            f"a real run of {parallel!r} needs its {world_size} ranks in one process group: use "
+            f"nbmem.launch(..., parallel={parallel!r}, world_size={world_size}), which starts them"
+        )
+    yield _mesh(parallel, world_size, device_type)
+
+
+def _mesh(parallel: str, world_size: int, device_type: str) -> Any:
+    # built outside fake tensors: making a mesh reads its rank tensor's values
+    if not parallel.startswith("fsdp"):
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))
+
+
+def parallelize(
+    model: nn.Module,
+    parallel: str,
+    mesh: Any,
+    *,
+    fake: bool,
+    block: type[nn.Module] | None,
+    make_optimizer: Callable[..., torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    classify: Callable[[torch.Tensor, str], None],
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Wrap ``model`` as the strategy does and build its optimizer."""
+    if parallel == "single":
+        return model, make_optimizer(model.parameters(), **optimizer_kwargs)
+    if parallel in ("ddp", "zero1"):
+        wrapped = _ddp(model, fake=fake, classify=classify)
+        if parallel == "ddp":
+            return wrapped, make_optimizer(wrapped.parameters(), **optimizer_kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=make_optimizer, **optimizer_kwargs)
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = parallel == "fsdp"
+    for unit in _units(model, block):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    for parameter in model.parameters():  # the local shards: FSDP2 swaps them in without registering them
+        classify(parameter, "parameter")
+    return model, make_optimizer(model.parameters(), **optimizer_kwargs)
+
+
+def _units(model: nn.Module, block: type[nn.Module] | None) -> list[nn.Module]:
+    """FSDP2's units: each outermost repeated block (inside its checkpoint wrapper, if any)."""
+    if block is None:
+        return []
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            inner = getattr(child, "_checkpoint_wrapped_module", child)
+            if isinstance(inner, block):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+class _NoRebuild:
+    """DDP's reducer, except that it keeps its first bucket layout.
+
+    Rebuilding the buckets after the first step reads tensor data, which
+    fake tensors don't have; the total bucket bytes are the same either way.
+    """
+
+    def __init__(self, reducer: Any) -> None:
+        object.__setattr__(self, "_reducer", reducer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def _ddp(model: nn.Module, *, fake: bool, classify: Callable[[torch.Tensor, str], None]) -> nn.Module:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Fake tensors have no data to check or broadcast, and the C++ default hook
+    # can't complete a fake collective: the same allreduce-and-average in Python.
+    wrapped = DistributedDataParallel(model, init_sync=not fake)
+    world_size = dist.get_world_size()
+
+    def allreduce_average(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations; none is fine
+        buffer = bucket.buffer()
+        classify(buffer, "gradient")  # DDP's gradient bucket: a second copy of the gradients
+        dist.all_reduce(buffer, async_op=True).wait()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(buffer.div_(world_size))
+        return future
+
+    wrapped.register_comm_hook(None, allreduce_average)
+    if fake:
+        wrapped.reducer = _NoRebuild(wrapped.reducer)
+    return wrapped
+
+
+#: The collectives DDP, ZeroRedundancyOptimizer and FSDP2 call, and whether each takes ``async_op``.
+_COLLECTIVES = {
+    "all_gather_single": True,
+    "all_gather_into_tensor": True,
+    "reduce_scatter_single": True,
+    "reduce_scatter_tensor": True,
+    "all_reduce": True,
+    "broadcast": True,
+    "_broadcast_coalesced": False,  # DDP's start: parameters from rank 0 (estimates skip it: init_sync)
+}
+
+
+@contextlib.contextmanager
+def collectives_on_copies() -> Iterator[None]:
+    """In a tracked rank: each collective runs on untracked copies and is over when it returns.
+
+    gloo keeps a collective's tensors until its worker thread lets go of the
+    work, a moment after ``wait()`` returns and at no fixed point: a buffer
+    that FSDP or DDP drops would die sometimes before the next allocation and
+    sometimes after it, and the peak would change from run to run. On copies
+    made where the tracker does not look, the tracked buffers live exactly as
+    long as the program holds them, as on a GPU, where NCCL works on them in
+    place. Only nbmem's own rank processes do this (see :func:`launch`).
+    """
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def on_copies(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(collective)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            asynchronous = kwargs.pop("async_op", False)
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+            def private(value: Any) -> Any:
+                if isinstance(value, torch.Tensor):
+                    pairs.append((value, value.detach().clone()))
+                    return pairs[-1][1]
+                if isinstance(value, (list, tuple)):
+                    return type(value)(private(item) for item in value)
+                return value
+
+            with _disable_current_modes():
+                args, kwargs = private(args), {key: private(value) for key, value in kwargs.items()}
+                result = collective(*args, **kwargs, **({"async_op": False} if _COLLECTIVES[name] else {}))
+                for original, copy in pairs:
+                    original.detach().copy_(copy)
+                del pairs[:], args, kwargs
+            if not asynchronous:
+                return result
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(None)
+            return torch._C._distributed_c10d._create_work_from_future(done)  # complete: wait() returns at once
+
+        return run
+
+    for name, collective in originals.items():
+        setattr(dist, name, on_copies(name, collective))
+    try:
+        yield
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Every rank's figures from a real launch (:func:`launch`)."""
+
+    parallel: str
+    world_size: int
+    mode: str  # "tracked" (gloo on the CPU) or "measured" (NCCL on CUDA)
+    ranks: tuple[Any, ...]  # one nbmem.Estimate per rank, in rank order
+
+    @property
+    def peaks(self) -> list[int]:
+        return [rank.peak for rank in self.ranks]
+
+    @property
+    def peak(self) -> int:
+        """The largest rank's peak: what the largest GPU must hold."""
+        return max(self.peaks)
+
+    @property
+    def worst(self) -> Any:
+        """The rank with the largest peak (its nbmem.Estimate)."""
+        return max(self.ranks, key=lambda rank: rank.peak)
+
+    def __str__(self) -> str:
+        first = self.ranks[0]
+        lines = [
+            f"gpumem launch: {self.parallel} on {self.world_size} real ranks ({self.mode}, "
+            f"{'gloo on the CPU' if self.mode == 'tracked' else 'NCCL on CUDA'}), batch {first.batch_size} per rank, "
+            f"global batch {first.global_batch}"
+        ]
+        for index, rank in enumerate(self.ranks):
+            parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in rank.breakdown.at_peak if size)
+            lines.append(f"  rank {index}  peak {format_bytes(rank.peak)} allocated ({parts})")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def launch(
+    model: Any,
+    batch: Callable[[int], Any],
+    *,
+    parallel: str,
+    world_size: int,
+    batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    timeout: float = 600.0,
+    mode: str = "auto",
+    **knobs: Any,
+) -> Launch:
+    """Run the training step for real as ``world_size`` ranks on this machine; every rank's peak.
+
+    On a CPU the ranks are forked processes joined with the gloo backend, each
+    tracked (the same accounting as ``mode="tracked"``); on a machine with
+    enough CUDA devices, NCCL, each rank measured on its own GPU (untested so
+    far); ``mode="tracked"`` keeps to the CPU either way. The knobs are
+    :func:`nbmem.estimate`'s. A rank that fails stops the
+    launch: the others are killed and its error is raised here; nothing is
+    left running, and this process (the notebook's kernel) is not touched.
+
+    >>> import torch
+    >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    >>> make = lambda n: (torch.randn(n, 64), torch.randint(0, 4, (n,)))
+    >>> ranks = launch(build, make, batch_size=8, parallel="ddp", world_size=2, optimizer="sgd")
+    >>> len(ranks.peaks), ranks.mode, ranks.ranks[1].rank
+    (2, 'tracked', 1)
+    """
+    from .estimation import _check, estimate, resolve_batch_size
+    from .launcher import run_ranks
+
+    if mode not in ("auto", "tracked", "measured"):
+        raise ValueError(f"unknown mode {mode!r} for a launch: use 'auto', 'tracked' (gloo, CPU) or 'measured' (NCCL, CUDA)")
+    # bad input fails here, before any process starts
+    per_rank = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, knobs.get("accumulation", 1))
+    _check(per_rank, knobs.get("precision", "fp32"), knobs.get("optimizer", "adamw"), knobs.get("accumulation", 1))
+    cuda = torch.cuda.is_available() and mode != "tracked"
+    if mode == "measured" and not cuda:
+        raise ValueError("mode 'measured' launches on CUDA devices and none is available here: use mode='tracked'")
+    if cuda:
+        if torch.cuda.is_initialized():
+            raise ValueError(
+                "CUDA is already initialised in this process, and forked ranks can't use it: call nbmem.launch "
+                "before anything touches the GPU (e.g. at the top of a fresh kernel), or from a script"
+            )
+        if world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"world_size={world_size} needs {world_size} CUDA devices and this machine has "
+                f"{torch.cuda.device_count()}: estimate larger worlds with nbmem.estimate(parallel=...)"
+            )
+
+    def rank_step(rank: int, world: int) -> Any:
+        # one thread per rank: a forked child must not start OpenMP threads once
+        # its parent has used them (libgomp would hang), and the ranks share the cores
+        torch.set_num_threads(1)
+        if cuda:
+            torch.cuda.set_device(rank)
+        with contextlib.nullcontext() if cuda else collectives_on_copies():
+            return estimate(model, batch, batch_size=per_rank, parallel=parallel, world_size=world,
+                            mode="measured" if cuda else "tracked", **knobs)
+
+    ranks = run_ranks(rank_step, world_size, backend="nccl" if cuda else "gloo", timeout=timeout)
+    return Launch(parallel, world_size, "measured" if cuda else "tracked", tuple(ranks))
