@@ -68,7 +68,7 @@ _LAZY = {
     "Estimate": "estimation",
     "free": "reclaim",
     "Reclaimed": "reclaim",
-    "diagnose": "diagnose",
+    "diagnose": "diagnosis",
     "Breakdown": "results",
     "Timeline": "timeline",
     "PRESETS": "devices",
@@ -78,7 +78,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from .devices import PRESETS
-    from .diagnose import diagnose
+    from .diagnosis import diagnose
     from .estimation import Estimate, estimate
     from .explorer import explore
     from .parallel import STRATEGIES, Launch, launch
@@ -107,14 +107,36 @@ def __dir__() -> list[str]:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Called by ``%load_ext nbmem``: registers ``%gpumem`` and ``%%gpumem``."""
+    """Called by ``%load_ext nbmem``: registers ``%gpumem`` and ``%%gpumem``.
+
+    Loading twice changes nothing. ``%gpumem?`` then shows the magics' usage.
+
+    Example, in IPython or a notebook: load it once, in a cell of its own,
+    then put ``%%gpumem`` on the first line of any cell to measure::
+
+        %load_ext nbmem
+
+        %%gpumem
+        y = model(x)
+
+    or from code, with the shell: ``nbmem.load_ipython_extension(get_ipython())``.
+    """
     from .magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    """Called by ``%unload_ext nbmem``: removes every magic and hook nbmem added."""
+    """Called by ``%unload_ext nbmem``: removes every magic and hook nbmem added.
+
+    A scope still open (``%gpumem on`` in the middle of a cell) is stopped.
+
+    Example, in IPython or a notebook (``%reload_ext`` unloads, then loads
+    again, e.g. after upgrading nbmem)::
+
+        %unload_ext nbmem
+        %reload_ext nbmem
+    """
     from .magics import unload
 
     unload(ipython)

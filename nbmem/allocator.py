@@ -87,10 +87,11 @@ class CachingAllocatorSimulation:
     reserved: int = 0
     peak_allocated: int = 0
     peak_reserved: int = 0
-    _blocks: dict = field(default_factory=dict)
-    _free: dict = field(default_factory=lambda: {True: [], False: []})  # small? -> sorted (size, n, block)
-    _segments: list = field(default_factory=list)
-    _numbers: itertools.count = field(default_factory=itertools.count)
+    _blocks: dict[object, _Block] = field(default_factory=dict)
+    # small? -> sorted (size, segment number, offset, block)
+    _free: dict[bool, list[tuple[int, int, int, _Block]]] = field(default_factory=lambda: {True: [], False: []})
+    _segments: list[_Segment] = field(default_factory=list)
+    _numbers: itertools.count[int] = field(default_factory=itertools.count)
 
     def malloc(self, key: object, nbytes: int) -> None:
         """Allocate ``nbytes`` for ``key``; raises MemoryError past ``capacity``."""

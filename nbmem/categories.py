@@ -59,10 +59,10 @@ class Attribution:
     def __init__(self, tracker: "Tracker") -> None:
         self.tracker = tracker
         self._running: list[str | None] = []  # top-level module of each forward in progress
-        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         self._handles: list[Any] = []
         self._grad_hooks: dict[int, Any] = {}
-        self._stepping: weakref.WeakSet = weakref.WeakSet()  # optimizers inside step()
+        self._stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers inside step()
         self._saved: Any = None
 
     # -- install / remove ----------------------------------------------------
@@ -137,12 +137,12 @@ class Attribution:
             for path, buffer in module.named_buffers():
                 self.tracker.classify(buffer, "buffer", top_level(_owner_path(name, path)))
             return
-        for parameter in module._parameters.values():
-            if parameter is not None:
-                self._parameter(parameter, owner)
-        for buffer in module._buffers.values():
-            if buffer is not None:
-                self.tracker.classify(buffer, "buffer", owner)
+        for own_parameter in module._parameters.values():
+            if own_parameter is not None:
+                self._parameter(own_parameter, owner)
+        for own_buffer in module._buffers.values():
+            if own_buffer is not None:
+                self.tracker.classify(own_buffer, "buffer", owner)
 
     def _parameter(self, parameter: torch.nn.Parameter, owner: str | None) -> None:
         self.tracker.classify(parameter, "parameter", owner)
@@ -197,7 +197,11 @@ class Attribution:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         self.tracker.classify(tensor, "activation", self.current_module())
-        return tensor
+        # detached: keeping the tensor itself, with its grad_fn, would make a
+        # reference cycle through C++ for an op that saves its own output, and a
+        # graph never run backward would never be freed (autograd re-attaches
+        # the grad_fn when it unpacks; PyTorch's own docs detach here)
+        return tensor.detach()
 
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,20 @@ class Estimate:
     before it), ``steady`` a later step's (the state exists); ``peak`` the
     larger. Bytes are CUDA-rounded allocated bytes of PyTorch tensors; the
     fixed overheads are listed separately in ``overheads``.
+
+    Returned by :func:`estimate` (also for ``mode="tracked"`` and
+    ``"measured"`` runs, which say so in ``mode``), one per rank by
+    :func:`nbmem.launch`, one per configuration in :func:`nbmem.sweep`.
+    ``fits`` compares with the capacity given as ``device``; ``breakdown``
+    says what the memory at the peak was for; ``print()`` shows a report.
+
+    >>> build = lambda: nn.Linear(256, 256)
+    >>> make = lambda n: torch.randn(n, 256)
+    >>> result = estimate(build, make, batch_size=32, optimizer="sgd", device="1GiB")
+    >>> result.parameters, result.peak == max(result.first_step, result.steady), result.fits
+    (65792, True, True)
+    >>> result.breakdown.category("parameter")   # (256 * 256 + 256) * 4 bytes, in 512 B blocks
+    263168
     """
 
     batch_size: int
@@ -268,10 +282,13 @@ def estimate(
             for _ in range(2):
                 with scope() as one:
                     step()
-                peaks.append(one.result.peak_allocated - before[0])
-                if one.result.peak_reserved is not None:
-                    reserved.append(one.result.peak_reserved - before[1])
-                breakdowns.append(one.result.breakdown)
+                result = one.result
+                # set when the scope closed; a tracker (tracked, or breakdown=True) made the breakdown
+                assert result is not None and result.breakdown is not None
+                peaks.append(result.peak_allocated - before[0])
+                if result.peak_reserved is not None:
+                    reserved.append(result.peak_reserved - before[1])
+                breakdowns.append(result.breakdown)
             parameters = sum(parameter.numel() for parameter in network.parameters())
     except _FAKE_ERRORS as error:
         raise ValueError(
@@ -303,7 +320,7 @@ def estimate(
         first_step=first,
         steady=steady,
         breakdown=breakdowns[0] if first >= steady else breakdowns[1],
-        reserved=max(reserved) if mode == "measured" else simulation.peak_reserved,
+        reserved=max(reserved) if simulation is None else simulation.peak_reserved,  # None: measured
         reserve_failed=None if simulation is None else simulation.overflow,
         capacity=capacity,
         capacity_label=label or "",
@@ -366,7 +383,7 @@ def _run_device(mode: str) -> torch.device:
 def _without_onednn() -> Any:
     """oneDNN off, and back as it was (mkldnn.flags() also resets TF32 and warns each time)."""
     previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False
+    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp in torch's stubs
     try:
         yield
     finally:
@@ -438,7 +455,9 @@ class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
     and dtype in the current mode: distinct storage, as a real copy has.
     """
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         if func is torch.Tensor.__deepcopy__:
             from torch._subclasses.fake_tensor import FakeTensor
 
@@ -509,7 +528,17 @@ def _default_device(device: torch.device) -> Any:
     return device if device.type == "cuda" else contextlib.nullcontext()
 
 
-def _step(model, batch_fn, batch_size, loss_fn, optimizer, scaler, precision, accumulation, device) -> None:
+def _step(
+    model: nn.Module,
+    batch_fn: Callable[[int], Any],
+    batch_size: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    precision: str,
+    accumulation: int,
+    device: torch.device,
+) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     for _ in range(accumulation):
         with _default_device(device):
@@ -582,4 +611,5 @@ def _default_loss(output: Any, inputs: Any) -> torch.Tensor:
         return nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten())
     if targets is not None and targets.is_floating_point() and targets.shape == output.shape:
         return nn.functional.mse_loss(output.float(), targets.float())
-    return output.float().mean()
+    mean: torch.Tensor = output.float().mean()
+    return mean

@@ -54,7 +54,7 @@ class Explorer:
         if world_size not in WORLD_SIZES:
             raise ValueError(f"the explorer offers world sizes {', '.join(map(str, WORLD_SIZES))}, got {world_size}")
         self.model, self.batch = model, batch
-        self._cache: dict[tuple, Estimate] = {}
+        self._cache: dict[tuple[Any, ...], Estimate] = {}
         self.last: Estimate | None = None
         self.measured: Estimate | None = None
         self.seconds = 0.0  # how long the last update took
@@ -67,8 +67,7 @@ class Explorer:
             "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=style),
             "accumulation": widgets.IntSlider(accumulation, min=1, max=32, description="accumulation steps",
                                               continuous_update=False, style=style),
-            "device": widgets.Dropdown(options=list(PRESETS) if device in PRESETS else [device, *PRESETS], value=device,
-                                       description="device", style=style),
+            "device": widgets.Dropdown(options=_devices(device), value=device, description="device", style=style),
             "parallel": widgets.Dropdown(options=list(STRATEGIES), value=parallel, description="data parallel",
                                          style=style),
             "world_size": widgets.Dropdown(options=list(WORLD_SIZES), value=world_size, description="GPUs",
@@ -76,7 +75,8 @@ class Explorer:
         }
         self.chart = widgets.HTML()
         self.chart.add_class("nbmem-explore-chart")
-        self.button = widgets.Button(description="measure for real (tracked)", button_style="info")
+        self.button = widgets.Button(description="measure for real (tracked)", button_style="info",
+                                     layout=widgets.Layout(width="auto"))
         self.check = widgets.HTML()
         for control in self.controls.values():
             control.observe(self._changed, names="value")
@@ -145,10 +145,18 @@ class Explorer:
         )
         return self.measured
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> dict:
-        bundle = self.view._repr_mimebundle_(**kwargs)
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        bundle: dict[str, Any] = self.view._repr_mimebundle_(**kwargs)
         bundle["text/plain"] = str(self.last)
         return bundle
+
+
+def _devices(device: Any) -> list[tuple[str, Any]]:
+    """The device menu: the presets, and the given device first when it is a size, labelled readably."""
+    presets = [(name, name) for name in PRESETS]
+    if isinstance(device, str) and device in PRESETS:
+        return presets
+    return [(parse_capacity(device)[1], device), *presets]
 
 
 def _chart_html(result: Estimate) -> str:
@@ -183,6 +191,18 @@ def explore(model: Any, batch: Any, **options: Any) -> Explorer | None:
     ``precision``, ``checkpointing``, ``optimizer``, ``accumulation``,
     ``parallel`` and ``world_size`` (the figures are then per GPU; the
     button launches real ranks on this machine for up to 4 GPUs).
+    ``model`` and ``batch`` are as for :func:`nbmem.estimate`. Each change of
+    a control re-estimates on fake tensors; returns the :class:`Explorer`
+    (``controls``: the widgets by knob name; ``last``: the current
+    :class:`~nbmem.Estimate`), or None after printing the hint outside a
+    notebook.
+
+    Example, in a notebook cell (it needs a frontend with widgets)::
+
+        build = lambda: torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+        make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
+        panel = nbmem.explore(build, make, device="T4", batch_size=64, optimizer="adamw")
+        panel.last.fits                  # the configuration the controls show now
     """
     if not _env.widgets_usable():
         print(

@@ -104,7 +104,7 @@ def _failure(folder: str, rank: int, code: int | None, world_size: int) -> str:
             file.readline()  # when it failed
             text = file.read().rstrip()
     except OSError:
-        how = f"signal {-code}" if code < 0 else f"exit code {code}"
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
         text = f"it ended with {how} before reporting an error{_log_tail(folder, rank)}"
     return f"rank {rank} of {world_size} failed, so the launch was stopped and every rank killed:\n{text}"
 

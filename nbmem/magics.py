@@ -17,9 +17,9 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import display
-from .diagnose import diagnose, is_out_of_memory
+from .diagnosis import diagnose, is_out_of_memory
 from .results import History, MemoryResult, first_line
-from .scope import BACKENDS, MemoryScope, resolve_backend
+from .scope import BACKENDS, Backend, MemoryScope, resolve_backend
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
 
@@ -30,7 +30,7 @@ ACTIONS = ("on", "off", "history", "reset", "free")
 class _EveryCell:
     """How ``%gpumem on`` measures each cell."""
 
-    backend: str = "auto"
+    backend: Backend = "auto"
     device: str | None = None
     quiet: bool = False
     capacity: str | None = None
@@ -64,6 +64,9 @@ def _is_nbmem_cell(source: str) -> bool:
 @magics_class
 class GpuMemMagics(Magics):
     """Holds the session state; registered once per shell by :func:`load`."""
+
+    #: Always the shell it was registered on (IPython's Magics allows None).
+    shell: Any
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
@@ -99,15 +102,24 @@ class GpuMemMagics(Magics):
 
         Usage, on a cell::
 
-          %%gpumem [-o] [-q] [--text] [--device DEVICE] [--backend {auto,cuda,tracked}]
+          %%gpumem [-o] [-q] [--text] [--breakdown] [--timeline] [--capacity SIZE_OR_PRESET]
+                   [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}]
 
         and as a line::
 
-          %gpumem on [-q] [--device DEVICE] [--backend ...]   measure every following cell
-          %gpumem off                                        stop measuring every cell
-          %gpumem history [-o] [--text]                      table and chart of measured cells
-          %gpumem reset                                      forget the history
-          %gpumem free                                       release what failed cells keep alive
+          %gpumem on [-q] [--capacity C] [--device D] [--backend B]   measure every following cell
+          %gpumem off [-q]                                            stop measuring every cell
+          %gpumem history [-o] [-q] [--text]                          table and chart of measured cells
+          %gpumem reset [-q]                                          forget the history
+          %gpumem free [-o] [-q] [--device D]                         release what failed cells and Out keep alive
+
+        ``-o``/``--output`` returns the result (a :class:`~nbmem.MemoryResult`,
+        the :class:`~nbmem.History`, or what ``free`` gave back), so it lands
+        in ``Out``; ``-q``/``--quiet`` shows nothing (measured cells still go
+        to the history); ``--text`` prints plain text instead of the widget.
+        ``--device`` picks the device (``cuda:N``, ``cuda`` or ``cpu``;
+        default: the current CUDA device, else the CPU) and ``--backend`` how
+        to count (``auto``, ``cuda`` or ``tracked``).
 
         With a CUDA device the figures are *measured* by PyTorch's caching
         allocator. Without one (or with ``--backend tracked``) the cell still
@@ -142,8 +154,11 @@ class GpuMemMagics(Magics):
           y = model(x)
 
           report = _            # the MemoryResult, after -o
-          %gpumem on
+
+          %gpumem on --capacity 16GiB
           %gpumem history
+          %gpumem off
+          %gpumem free
         """
         __tracebackhide__ = True
         args = parse_argstring(self.gpumem, line)
@@ -220,7 +235,7 @@ class GpuMemMagics(Magics):
             display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell)
         if not args.quiet and result.timeline is not None:
             display.show_timeline(result.timeline)
-        if scope is not None and is_out_of_memory(error):
+        if scope is not None and error is not None and is_out_of_memory(error):
             if not args.quiet:
                 display.show_value(diagnose(result, scope.tracker, self.shell.user_ns, error))
             if args.free_on_oom:
@@ -350,11 +365,25 @@ def _session(shell: Any = None) -> _Session:
 
 
 def history(shell: Any = None) -> History:
-    """The measured cells of this IPython session (``%gpumem history -o`` returns the same)."""
+    """The measured cells of this IPython session (``%gpumem history -o`` returns the same).
+
+    ``shell`` defaults to the running IPython shell, which must have loaded
+    the extension (``%load_ext nbmem``); otherwise RuntimeError. The
+    :class:`~nbmem.History` is live: cells measured later are appended to it.
+
+    Example, in a notebook::
+
+        %load_ext nbmem
+        %gpumem on                       # or put %%gpumem on the cells
+        ...
+        cells = nbmem.history()
+        cells[-1].peak                   # the last measured cell's peak, in bytes
+        cells.to_dataframe()             # with pandas
+    """
     return _session(shell).history
 
 
-def log_every_cell(shell: Any, path: str, backend: str = "auto", device: str | None = None) -> None:
+def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str | None = None) -> None:
     """Measure every cell quietly and append each result to ``path`` as a JSON line.
 
     Used by ``nbmem profile``; independent of ``%gpumem on``/``off`` (a cell

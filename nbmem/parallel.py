@@ -21,12 +21,15 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import nn
 
 from .units import format_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .estimation import Estimate  # nbmem.estimation imports this module
 
 __all__ = ["STRATEGIES", "launch", "Launch", "check_parallel"]
 
@@ -65,7 +68,8 @@ def per_device_batch(global_batch_size: Any, world_size: int, accumulation: int)
             f"micro-batches: use a multiple of {share} (e.g. {global_batch_size // share * share or share} or "
             f"{(global_batch_size // share + 1) * share})"
         )
-    return global_batch_size // share
+    per_gpu: int = global_batch_size // share  # an int by now (older mypy keeps it Any)
+    return per_gpu
 
 
 @contextlib.contextmanager
@@ -132,7 +136,9 @@ def parallelize(
             return wrapped, make_optimizer(wrapped.parameters(), **optimizer_kwargs)
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=make_optimizer, **optimizer_kwargs)
+        # ZeRO only calls optimizer_class(params, **kwargs): any optimizer factory works, not just a class
+        optimizer_class: Any = make_optimizer
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=optimizer_class, **optimizer_kwargs)
     from torch.distributed.fsdp import fully_shard
 
     reshard = parallel == "fsdp"
@@ -192,13 +198,13 @@ def _ddp(model: nn.Module, *, fake: bool, classify: Callable[[torch.Tensor, str]
         buffer = bucket.buffer()
         classify(buffer, "gradient")  # DDP's gradient bucket: a second copy of the gradients
         dist.all_reduce(buffer, async_op=True).wait()
-        future: torch.futures.Future = torch.futures.Future()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         future.set_result(buffer.div_(world_size))
         return future
 
     wrapped.register_comm_hook(None, allreduce_average)
     if fake:
-        wrapped.reducer = _NoRebuild(wrapped.reducer)
+        wrapped.reducer = _NoRebuild(wrapped.reducer)  # type: ignore[assignment]  # a stand-in that delegates
     return wrapped
 
 
@@ -253,9 +259,10 @@ def collectives_on_copies() -> Iterator[None]:
                 del pairs[:], args, kwargs
             if not asynchronous:
                 return result
-            done: torch.futures.Future = torch.futures.Future()
+            done: torch.futures.Future[None] = torch.futures.Future()
             done.set_result(None)
-            return torch._C._distributed_c10d._create_work_from_future(done)  # complete: wait() returns at once
+            # complete: wait() returns at once (the function is missing from torch's stubs)
+            return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
 
         return run
 
@@ -270,12 +277,26 @@ def collectives_on_copies() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Launch:
-    """Every rank's figures from a real launch (:func:`launch`)."""
+    """Every rank's figures from a real launch (:func:`launch`).
+
+    ``ranks`` holds one :class:`~nbmem.Estimate` per rank, in rank order
+    (``mode`` ``"tracked"`` or ``"measured"``); ``peaks`` their allocated
+    peaks, ``peak`` the largest (what the fullest GPU must hold), ``worst``
+    that rank's estimate; ``print()`` shows one line per rank.
+
+    Example (not run as a doctest: a launch starts processes and takes
+    seconds; :func:`launch`'s own example runs one)::
+
+        ranks = nbmem.launch(build, make, batch_size=8, parallel="zero1", world_size=2)
+        ranks.peaks                  # [120832, 67072]: ZeRO-1's rank 0 holds more optimizer state
+        ranks.worst.breakdown        # what the fullest rank's memory was for
+        print(ranks)                 # gpumem launch: zero1 on 2 real ranks (tracked, gloo on the CPU), ...
+    """
 
     parallel: str
     world_size: int
     mode: str  # "tracked" (gloo on the CPU) or "measured" (NCCL on CUDA)
-    ranks: tuple[Any, ...]  # one nbmem.Estimate per rank, in rank order
+    ranks: tuple[Estimate, ...]  # one per rank, in rank order
 
     @property
     def peaks(self) -> list[int]:
@@ -287,7 +308,7 @@ class Launch:
         return max(self.peaks)
 
     @property
-    def worst(self) -> Any:
+    def worst(self) -> Estimate:
         """The rank with the largest peak (its nbmem.Estimate)."""
         return max(self.ranks, key=lambda rank: rank.peak)
 

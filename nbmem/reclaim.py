@@ -217,7 +217,7 @@ def _release_last_error(shell: Any) -> list[str]:
     tracebacks: list[types.TracebackType] = []
     for name in _SYS_LAST:
         _collect(getattr(sys, name, None), errors, tracebacks)
-    formatters = []
+    formatters: list[Any] = []
     result = None
     debugger = None
     if shell is not None:
@@ -282,7 +282,7 @@ def _chained(errors: Iterable[BaseException]) -> Iterator[BaseException]:
         pending += list(getattr(error, "exceptions", ()) or ())  # ExceptionGroup
 
 
-def _clear_frames(tracebacks: Iterable[types.TracebackType]) -> int:
+def _clear_frames(tracebacks: Iterable[types.TracebackType | None]) -> int:
     """Clear the locals of every finished frame in ``tracebacks``; returns how many frames.
 
     As ``traceback.clear_frames``: a frame still running (the caller's own, if
@@ -360,7 +360,8 @@ def _release_outputs(shell: Any) -> list[str]:
     history = getattr(shell, "history_manager", None)
     output_cache = getattr(history, "output_hist", None)
     if not isinstance(output_cache, dict):
-        output_cache = user_ns.get("_oh") if isinstance(user_ns.get("_oh"), dict) else {}
+        output_hist = user_ns.get("_oh")
+        output_cache = output_hist if isinstance(output_hist, dict) else {}
     displayhook = getattr(shell, "displayhook", None)
     result = getattr(shell, "last_execution_result", None)
 

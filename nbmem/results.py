@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Sequence
 
 from .units import format_bytes
 
@@ -28,6 +28,20 @@ class Breakdown:
 
     ``at_peak`` sums to the result's ``peak_allocated``; ``after`` to its
     ``allocated_after``. Tracked: exact for the tensors nbmem saw.
+
+    A result has one in tracked mode, or measured with ``breakdown=True``
+    (``%%gpumem --breakdown``): ``result.breakdown``; every
+    :class:`~nbmem.Estimate` has one too. :meth:`category` reads one
+    category at the peak (see :data:`CATEGORIES`); ``op`` and ``module``
+    say where the peak was.
+
+    >>> import torch
+    >>> from nbmem import MemoryScope, Tracker
+    >>> with MemoryScope(tracker=Tracker("cpu")) as scope:
+    ...     layer = torch.nn.Linear(16, 16)     # weight 1 KiB + bias 64 B, in 512 B blocks
+    >>> breakdown = scope.result.breakdown
+    >>> breakdown.category("parameter"), breakdown.category("activation")
+    (1536, 0)
     """
 
     at_peak: tuple[tuple[str, int], ...]
@@ -125,10 +139,11 @@ class MemoryResult:
         values = {key: value for key, value in record.items() if key in known}
         values["notes"] = tuple(values.get("notes") or ())
         if values.get("breakdown"):
-            values["breakdown"] = Breakdown(
-                **{key: tuple(tuple(pair) for pair in value) if isinstance(value, list) else value
-                   for key, value in values["breakdown"].items()}
-            )
+            breakdown: dict[str, Any] = {
+                key: tuple(tuple(pair) for pair in value) if isinstance(value, list) else value
+                for key, value in values["breakdown"].items()
+            }
+            values["breakdown"] = Breakdown(**breakdown)
         return cls(**values)
 
     @property
@@ -333,6 +348,11 @@ def report_html(result: MemoryResult, *, breakdown: bool = False) -> str:
 class History:
     """Every measured cell of a session, in execution order.
 
+    The session's is ``nbmem.history()`` (or ``%gpumem history -o``). It is a
+    sequence of :class:`MemoryResult` (``len``, index, iterate), and
+    :meth:`to_records`, :meth:`to_dataframe` (pandas) and :meth:`plot`
+    (matplotlib) export or chart it.
+
     >>> h = History()
     >>> h.append(MemoryResult(mode="tracked", device="cpu", allocated_before=0,
     ...                       peak_allocated=1024, allocated_after=0, seconds=0.1,
@@ -440,7 +460,7 @@ def cell_figures(result: MemoryResult) -> tuple[str, str, str, str, str]:
     )
 
 
-def text_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def text_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     """Left-aligned columns two spaces apart, a dashed rule under the header."""
     rows = [header, *rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -25,7 +25,26 @@ __all__ = ["Timeline", "build_timeline"]
 
 @dataclass(frozen=True)
 class Timeline:
-    """Live bytes per category after sampled ops of a block (``ops`` ops in all)."""
+    """Live bytes per category after sampled ops of a block (``ops`` ops in all).
+
+    Recorded when asked for: ``nbmem.measure(timeline=True)`` or
+    ``%%gpumem --timeline``, then ``result.timeline``. ``steps`` are op
+    numbers (0: before the first op), ``series`` each category's bytes at
+    those steps, :meth:`totals` their sums; ``peak_op`` and ``peak_module``
+    name where the peak was. :meth:`plot` draws it (matplotlib).
+
+    >>> import torch
+    >>> from nbmem import MemoryScope, Tracker
+    >>> with MemoryScope(tracker=Tracker("cpu"), timeline=True) as scope:
+    ...     a = torch.ones(1024, 128)     # 512 KiB
+    ...     b = a * 2                     # 512 KiB more: the peak
+    ...     del a
+    >>> timeline = scope.result.timeline
+    >>> timeline.totals(), timeline.peak_op
+    ([0, 524288, 1048576], 'aten.mul.Tensor')
+    >>> print(timeline)
+    gpumem timeline: 2 ops, 3 points; peak 1.00 MiB after op 2 (aten.mul.Tensor)
+    """
 
     steps: tuple[int, ...]  # op numbers, 1 = the block's first op
     series: tuple[tuple[str, tuple[int, ...]], ...]  # per category, aligned with steps

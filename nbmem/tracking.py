@@ -50,7 +50,9 @@ class _TrackingMode(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         # nbmem's frames stay out of tracebacks: a virtual out-of-memory error
         # should read like CUDA's, ending at the user's op
         __tracebackhide__ = True
@@ -82,7 +84,7 @@ class StorageRecord:
 
     __slots__ = ("size", "category", "module", "born", "died", "op", "shape", "dtype")
 
-    def __init__(self, size: int, born: int, op: Any, module: str | None, shape: tuple, dtype: Any) -> None:
+    def __init__(self, size: int, born: int, op: Any, module: str | None, shape: tuple[int, ...], dtype: Any) -> None:
         self.size = size
         self.category = "other"
         self.module = module
@@ -98,7 +100,9 @@ class PeakDetail:
 
     __slots__ = ("op_index", "op", "module", "categories", "modules")
 
-    def __init__(self, op_index: int, op: Any, module: str | None, categories: dict, modules: dict) -> None:
+    def __init__(
+        self, op_index: int, op: Any, module: str | None, categories: dict[str, int], modules: dict[str | None, int]
+    ) -> None:
         self.op_index = op_index
         self.op = op
         self.module = module
@@ -156,12 +160,12 @@ class Tracker:
         self.adopt_unseen = True
         self._on_device = _device_test(self.device)
         self._storages: dict[int, StorageRecord] = {}
-        self._refs: dict[int, weakref.ref] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         # Storages that died on another thread (a communication backend's
         # worker letting go of a collective's tensors), counted as freed before
         # this thread's next op: the counters are only ever changed here.
         self._thread = threading.get_ident()
-        self._foreign: collections.deque[tuple[int, weakref.ref]] = collections.deque()
+        self._foreign: collections.deque[tuple[int, weakref.ref[torch.UntypedStorage]]] = collections.deque()
         self._categories = dict.fromkeys(CATEGORIES, 0)
         self._modules: dict[str | None, int] = {}
         self._allocated = 0
@@ -339,20 +343,21 @@ class Tracker:
         record = self._storages[key]
         self._settle_peak()
         detail = self._peak_detail
-        at_peak = detail is not None and record.born <= detail.op_index
+        # the peak's breakdown, when this storage was alive at the peak
+        at_peak = detail if detail is not None and record.born <= detail.op_index else None
         if _RANK[category] < _RANK[record.category]:
             self._categories[record.category] -= record.size
             self._categories[category] += record.size
-            if at_peak:
-                detail.categories[record.category] -= record.size
-                detail.categories[category] += record.size
+            if at_peak is not None:
+                at_peak.categories[record.category] -= record.size
+                at_peak.categories[category] += record.size
             record.category = category
         if module is not None and module != record.module:
             self._modules[record.module] -= record.size
             self._modules[module] = self._modules.get(module, 0) + record.size
-            if at_peak:
-                detail.modules[record.module] = detail.modules.get(record.module, 0) - record.size
-                detail.modules[module] = detail.modules.get(module, 0) + record.size
+            if at_peak is not None:
+                at_peak.modules[record.module] = at_peak.modules.get(record.module, 0) - record.size
+                at_peak.modules[module] = at_peak.modules.get(module, 0) + record.size
             record.module = module
 
     # -- the accounting (hot path: keep it lean) ----------------------------
@@ -463,13 +468,13 @@ class Tracker:
             self._peak_detail = None
             self._peak_op = (self._op_index, self._op, module)
 
-    def _free(self, key: int, ref: weakref.ref) -> None:
+    def _free(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
         if threading.get_ident() != self._thread:
             self._foreign.append((key, ref))  # deque.append is atomic; counted by drain()
             return
         self._release(key, ref)
 
-    def _release(self, key: int, ref: weakref.ref) -> None:
+    def _release(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
         if self._refs.get(key) is ref:
             if self._allocated == self._peak:
                 self._settle_peak()
@@ -574,7 +579,7 @@ def _resize_and_tell(storage: Any, size: int) -> Any:
 
 def _watch_resizes(tracker: Tracker) -> None:
     if not _RESIZE_WATCHERS:
-        torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign, assignment]  # torch types resize_ with two selves
     _RESIZE_WATCHERS.append(tracker)
 
 

@@ -50,7 +50,26 @@ class SweepRow:
 
 
 class Comparison:
-    """A sweep's results side by side: scenario rows, variant columns, one unit for all."""
+    """A sweep's results side by side: scenario rows, variant columns, one unit for all.
+
+    Returned by :func:`sweep`; a notebook displays it as a table. ``len()``
+    and iteration give its rows (:class:`SweepRow`: the knobs and the
+    :class:`~nbmem.Estimate`, or the error such as ``"OOM"``);
+    :meth:`to_records` gives one dict per configuration, :meth:`to_dataframe`
+    the same as a pandas DataFrame, :meth:`plot` a matplotlib chart.
+
+    >>> build = lambda: torch.nn.Linear(64, 4)
+    >>> make = lambda n: torch.randn(n, 64)
+    >>> table = sweep(build, make, batch_size=8, optimizer=["sgd", "adamw"])
+    >>> print(table)
+    gpumem sweep: peak allocated in KiB, estimated
+    optimizer  peak
+    ---------  ----
+    sgd        7
+    adamw      11
+    >>> [row.peak for row in table]
+    [7168, 11264]
+    """
 
     def __init__(self, rows: list[SweepRow], axes: tuple[str, ...], mode: str, capacity: int | None, label: str) -> None:
         self.rows = rows
@@ -75,9 +94,9 @@ class Comparison:
                 name, size = candidate, candidate_size
         return name, size
 
-    def _grid(self) -> tuple[str | None, list[Any], list[tuple], dict]:
+    def _grid(self) -> tuple[str | None, list[Any], list[tuple[Any, ...]], dict[tuple[Any, tuple[Any, ...]], SweepRow]]:
         """(row axis, row values, column keys, {(row value, column key): SweepRow})."""
-        row_axis = next((axis for axis in ("batch_size", "world_size") if axis in self.axes), None)
+        row_axis: str | None = next((axis for axis in ("batch_size", "world_size") if axis in self.axes), None)
         row_axis = row_axis or (self.axes[0] if self.axes else None)
         column_axes = [axis for axis in self.axes if axis != row_axis]
         row_values = list(dict.fromkeys(row.value(row_axis) for row in self.rows)) if row_axis else [None]
@@ -88,7 +107,7 @@ class Comparison:
         }
         return row_axis, row_values, columns, cells
 
-    def _column_name(self, key: tuple) -> str:
+    def _column_name(self, key: tuple[Any, ...]) -> str:
         column_axes = [axis for axis in self.axes if axis != self._grid()[0]]
         return ", ".join(f"{axis}={value}" for axis, value in zip(column_axes, key)) or "peak"
 
@@ -97,8 +116,10 @@ class Comparison:
             return ""
         if row.error:
             return row.error
+        peak = row.peak
+        assert peak is not None  # a row without an error has its result
         unit, size = self.unit
-        text = f"{row.peak / size:.3g}"
+        text = f"{peak / size:.3g}"
         if self.capacity is not None and not _fits(row, self.capacity):
             text += " (no fit)"
         return text
@@ -271,8 +292,9 @@ def sweep(
 
 def _fits(row: SweepRow, capacity: int) -> bool:
     """As Estimate.fits: the allocated peak within the capacity, and every segment reserved."""
-    verdict = row.result.fits if row.result is not None else None
-    return row.peak <= capacity if verdict is None else verdict
+    result = row.result
+    assert result is not None  # only rows that ran are compared
+    return result.peak <= capacity if result.fits is None else result.fits
 
 
 def _run(model: Any, batch: Any, mode: str, options: dict[str, Any]) -> Estimate:
@@ -414,8 +436,10 @@ def max_batch_size(
     (``verify``): ``"measured"`` runs the step on the current CUDA device,
     ``"tracked"`` on this CPU, each on a virtual device of that capacity (an
     allocation past it raises, as on the real card); ``"auto"`` measures
-    where CUDA is available and tracks otherwise.
-    The answer is always a size that ran, with the next size up seen to fail
+    where CUDA is available and tracks otherwise. A size fits as
+    :attr:`Estimate.fits` says: its allocated peak within the capacity, and
+    every segment the caching allocator must reserve for it (simulated on a
+    CPU) available. The answer is always a size that ran, with the next size up seen to fail
     (or ``limit`` reached): memory is not always monotonic in batch size, so
     nothing untested is returned. With ``accumulation=N`` the size is the
     largest micro-batch of an N-micro-batch step (the gradients stay alive
@@ -452,17 +476,18 @@ def max_batch_size(
                    accumulation=accumulation, parallel=parallel, world_size=world_size)
     estimates = 0
 
-    def estimated(size: int) -> int:
+    def estimated(size: int) -> Estimate:
         nonlocal estimates
         estimates += 1
-        return estimate(model, batch, batch_size=size, **options).peak
+        return estimate(model, batch, batch_size=size, device=capacity, **options)
 
     # memory = fixed + per_sample * batch, from two estimates, then the
     # boundary on estimates alone (cheap: no memory, no data)
-    at_one, at_eight = estimated(1), estimated(8)
+    at_one, at_eight = estimated(1).peak, estimated(8).peak
     per_sample = max((at_eight - at_one) / 7, 1.0)
     guess = max(1, min(int((capacity - at_one) // per_sample) + 1, limit))
-    predicted = _boundary(lambda size: estimated(size) <= capacity, guess, limit)
+    # fits as Estimate.fits says: the allocated peak, and every segment the allocator must reserve
+    predicted = _boundary(lambda size: bool(estimated(size).fits), guess, limit)
 
     trials: list[tuple[int, int | None]] = []
 
@@ -475,6 +500,9 @@ def max_batch_size(
             return False
         finally:
             _isolate(verify)
+        if result.fits is False:  # ran within the capacity, but a segment it needs could not be reserved
+            trials.append((size, None))
+            return False
         trials.append((size, result.peak))
         return True
 

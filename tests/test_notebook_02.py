@@ -16,6 +16,7 @@ from typing import Any
 import nbclient
 import nbformat
 import pytest
+from _notebooks import assert_committed_clean
 
 pytestmark = pytest.mark.slow
 
@@ -62,12 +63,7 @@ def _errors(cell: nbformat.NotebookNode) -> list[nbformat.NotebookNode]:
 
 
 def test_is_committed_clean() -> None:
-    notebook = nbformat.read(PATH, as_version=4)
-    nbformat.validate(notebook)
-    assert notebook.metadata["kernelspec"]["name"] == "python3"
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, cell.source
+    assert_committed_clean(PATH)
 
 
 def test_runs_quickly(executed: dict[str, Any]) -> None:

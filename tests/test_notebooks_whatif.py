@@ -10,13 +10,12 @@ total is bounded.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-import nbclient
 import nbformat
 import pytest
+from _notebooks import assert_committed_clean, execute, failed_cells, text
 
 pytestmark = pytest.mark.slow
 
@@ -34,18 +33,7 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 def _run(name: str) -> dict[str, Any]:
     """The notebook after running it (once per session) and how long that took."""
     if name not in _RUNS:
-        notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-        client = nbclient.NotebookClient(
-            notebook,
-            kernel_name="python3",
-            timeout=120,
-            allow_errors=False,  # any failing cell fails the run
-            resources={"metadata": {"path": str(NOTEBOOKS)}},
-        )
-        started = time.perf_counter()
-        client.execute()
-        seconds = time.perf_counter() - started
-        print(f"\n{name} executed in {seconds:.1f} s (kernel start included)")
+        notebook, seconds = execute(NOTEBOOKS / name)
         _RUNS[name] = {"notebook": notebook, "seconds": seconds}
     return _RUNS[name]
 
@@ -77,15 +65,7 @@ def _cell(notebook: nbformat.NotebookNode, first_line: str) -> nbformat.Notebook
     return cells[0]
 
 
-def _text(cell: nbformat.NotebookNode) -> str:
-    """Everything a cell printed or displayed as text."""
-    parts = []
-    for output in cell.outputs:
-        if output.output_type == "stream":
-            parts.append(output.text)
-        elif "text/plain" in output.get("data", {}):
-            parts.append(output["data"]["text/plain"])
-    return "\n".join(parts)
+_text = text
 
 
 def _has_png(cell: nbformat.NotebookNode) -> bool:
@@ -101,23 +81,13 @@ def _bytes(amount: str, unit: str) -> float:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_is_committed_clean(name: str) -> None:
-    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    nbformat.validate(notebook)
-    assert notebook.metadata["kernelspec"]["name"] == "python3"
-    for cell in notebook.cells:
-        if cell.cell_type == "code":
-            assert cell.outputs == [] and cell.execution_count is None, cell.source
+    assert_committed_clean(NOTEBOOKS / name)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_runs_without_error_and_quickly(name: str) -> None:
     run = _run(name)
-    failed = [
-        cell.source
-        for cell in run["notebook"].cells
-        if cell.cell_type == "code" and any(output.output_type == "error" for output in cell.outputs)
-    ]
-    assert failed == []
+    assert failed_cells(run["notebook"]) == []
     # Binder runs these on a CPU: well under two minutes each, kernel start included.
     assert run["seconds"] < 120, f"{name} took {run['seconds']:.1f} s"
 

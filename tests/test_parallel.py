@@ -118,13 +118,13 @@ def test_a_rank_out_of_memory_is_recorded_as_oom():
 
 
 def test_max_batch_size_per_gpu_verified_by_launches():
-    found = nbmem.max_batch_size(build, make, device="12MiB", parallel="fsdp", world_size=2, optimizer="adam")
+    found = nbmem.max_batch_size(build, make, device="32MiB", parallel="fsdp", world_size=2, optimizer="adam")
     sizes = dict(found.trials)
     assert found.batch_size > 0 and sizes[found.batch_size] is not None and sizes[found.batch_size + 1] is None
     assert found.global_batch == 2 * found.batch_size and "fsdp on 2 GPUs" in str(found)
-    assert sizes[found.batch_size] <= 12 * 2**20
+    assert sizes[found.batch_size] <= 32 * 2**20
     # the same device holds only a smaller batch with every GPU keeping a full replica
-    assert nbmem.max_batch_size(build, make, device="12MiB", optimizer="adam").batch_size < found.batch_size
+    assert nbmem.max_batch_size(build, make, device="32MiB", optimizer="adam").batch_size < found.batch_size
 
 
 def test_global_batch_size_is_split_across_gpus_and_micro_batches():

@@ -250,3 +250,17 @@ def test_sparse_csr_parts_made_earlier_are_adopted():
     # the ones(100, 4) input (2048) and the product (2048) are alive together; only the product stays
     assert (scope.result.peak, scope.result.retained) == (2048 + 2048, 2048)
     del csr, product
+
+
+def test_a_forward_pass_never_run_backward_is_freed():
+    # ReLU saves its own output: a saved-tensor hook that kept it with its
+    # grad_fn would make a cycle gc can't see, and leak it (512 KiB here)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    inputs = torch.randn(512, 256)
+    with nbmem.track("cpu") as scope:
+        outputs = model(inputs)
+        del outputs
+    assert scope.result.retained == 0 and scope.result.peak >= 2 * 512 * 256 * 4
+    with nbmem.track("cpu") as scope:
+        model(inputs).sum().backward()  # and backward still works through the detached saved tensors
+    assert all(parameter.grad is not None for parameter in model.parameters())

@@ -134,11 +134,31 @@ def diagnose(
 
     ``tracker`` (the one behind the result, if any) gives the live tensors and
     the virtual device's figures; ``namespace`` (the user's variables) names them.
+    ``error`` is the exception (its message gives the failed request on
+    CUDA); ``count`` how many of the largest tensors to list. ``%%gpumem``
+    shows this by itself after an out-of-memory error; call it for a
+    ``with nbmem.measure(...)`` block that failed, with ``scope.result`` and
+    ``scope.tracker``. ``print()`` shows the report.
+
+    >>> from nbmem import MemoryScope
+    >>> scope = MemoryScope(tracker=Tracker("cpu"), capacity="1MiB")   # a virtual 1 MiB device
+    >>> try:
+    ...     with scope:
+    ...         kept = torch.zeros(128, 1024)      # 512 KiB
+    ...         more = torch.zeros(256, 1024)      # 1 MiB more: past the capacity
+    ... except torch.OutOfMemoryError as error:
+    ...     report = diagnose(scope.result, scope.tracker, {"kept": kept}, error)
+    >>> report.in_use, report.request, report.missing
+    (524288, 1048576, 524288)
+    >>> [(tensor.name, tensor.shape) for tensor in report.largest]
+    [('kept', (128, 1024))]
     """
     oom = tracker.last_oom if tracker is not None else None
     virtual = oom is not None and oom.capacity == result.capacity
     phase = None
-    if virtual:
+    capacity: int | None
+    request: int | None
+    if oom is not None and virtual:
         capacity, in_use, request = oom.capacity, oom.allocated, oom.request
         if oom.module == BACKWARD:
             phase = "backward"

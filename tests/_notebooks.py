@@ -1,0 +1,57 @@
+"""What the notebook tests share: run a notebook headlessly, check it is committed clean, read its outputs."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import nbclient
+import nbformat
+
+
+def execute(path: Path, *, allow_errors: bool = False, timeout: int = 120) -> tuple[nbformat.NotebookNode, float]:
+    """The notebook run top to bottom in a fresh ``python3`` kernel (in its own folder), and the seconds it took."""
+    notebook = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(
+        notebook,
+        kernel_name="python3",
+        timeout=timeout,
+        allow_errors=allow_errors,  # False: any failing cell fails the run
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    started = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - started
+    print(f"\n{path.name} executed in {seconds:.1f} s (kernel start included)")
+    return notebook, seconds
+
+
+def assert_committed_clean(path: Path) -> nbformat.NotebookNode:
+    """A valid notebook for the python3 kernel, saved without outputs or execution counts."""
+    notebook = nbformat.read(path, as_version=4)
+    nbformat.validate(notebook)
+    assert notebook.metadata["kernelspec"]["name"] == "python3"
+    for cell in notebook.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None, cell.source
+    return notebook
+
+
+def text(cell: nbformat.NotebookNode) -> str:
+    """Everything a cell printed or displayed as text."""
+    parts = []
+    for output in cell.outputs:
+        if output.output_type == "stream":
+            parts.append(output.text)
+        elif "text/plain" in output.get("data", {}):
+            parts.append(output["data"]["text/plain"])
+    return "\n".join(parts)
+
+
+def failed_cells(notebook: nbformat.NotebookNode) -> list[str]:
+    """The sources of the code cells that show an error."""
+    return [
+        cell.source
+        for cell in notebook.cells
+        if cell.cell_type == "code" and any(output.output_type == "error" for output in cell.outputs)
+    ]

@@ -1,0 +1,116 @@
+"""Where learners are: binder/ in a fresh virtual environment, every notebook run there; the wheel and sdist.
+
+mybinder.org installs ``binder/requirements.txt``, then runs ``binder/postBuild``
+from the repository's root. This test does the same in a new virtual
+environment (this machine's pip finds torch 2.13.0 as a local CPU wheel; the
+PyTorch CPU index the file names can't be reached from here, so pip is told
+not to retry it), then executes every notebook under notebooks/ in that
+environment's own kernel. Then the built wheel and sdist are installed in
+turn into the same environment and must import and run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted(path.name for path in (REPO / "notebooks").glob("*.ipynb"))
+_IGNORED = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
+
+_EXECUTE = """
+import sys, time, nbclient, nbformat
+failed = []
+for name in sys.argv[1:]:
+    notebook = nbformat.read(name, as_version=4)
+    started = time.perf_counter()
+    try:
+        nbclient.NotebookClient(notebook, kernel_name="python3", timeout=300).execute()
+    except Exception as error:  # report every notebook, then fail
+        failed.append(f"{name}: {type(error).__name__}: {str(error)[-1500:]}")
+    print(f"{name} {time.perf_counter() - started:.1f} s", flush=True)
+print("\\n".join(failed))
+sys.exit(1 if failed else 0)
+"""
+
+_SMOKE = """
+import torch, nbmem
+from torch import nn
+from IPython.core.interactiveshell import InteractiveShell
+build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
+print(nbmem.__file__)
+print(nbmem.estimate(build, make, batch_size=64, optimizer="sgd").breakdown.category("parameter"))
+shell = InteractiveShell.instance()
+shell.run_line_magic("load_ext", "nbmem")
+shell.run_cell("import torch")
+shell.run_cell_magic("gpumem", "--quiet", "x = torch.empty(1024, 1024)")
+print(nbmem.history()[-1].retained)
+"""
+
+
+def _run(command: list[str], cwd: Path, env: dict[str, str], timeout: float) -> str:
+    done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(map(str, command))} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def binder(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A copy of the repository, installed the way mybinder.org installs it into a fresh environment."""
+    root = tmp_path_factory.mktemp("binder")
+    checkout = root / "repository"
+    shutil.copytree(REPO, checkout, ignore=_IGNORED)
+    env_dir = root / "env"
+    subprocess.run([sys.executable, "-m", "venv", env_dir], check=True, timeout=300)
+    environment = {
+        **{key: value for key, value in os.environ.items() if not key.startswith(("VIRTUAL_ENV", "PYTHON"))},
+        "PATH": f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
+        "VIRTUAL_ENV": str(env_dir),
+        "PIP_RETRIES": "0",  # the PyTorch index is out of reach here: fail over to the local wheel at once
+        "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        "MPLBACKEND": "Agg",
+    }
+    started = time.perf_counter()
+    _run(["python", "-m", "pip", "install", "--quiet", "-r", "binder/requirements.txt"], checkout, environment, 1200)
+    _run(["bash", "binder/postBuild"], checkout, environment, 1200)
+    print(f"\nbinder environment installed in {time.perf_counter() - started:.0f} s")
+    return {"checkout": checkout, "env": env_dir, "environment": environment, "root": root}  # type: ignore[dict-item]
+
+
+def test_the_binder_environment_has_a_cpu_torch_and_nbmem(binder: dict) -> None:
+    listed = _run(["python", "-m", "pip", "list", "--format=freeze"], binder["checkout"], binder["environment"], 300)
+    packages = dict(line.split("==", 1) for line in listed.splitlines() if "==" in line)
+    assert packages["torch"].startswith("2.13.0") and packages["nbmem"] == "0.1.0"
+    assert not any(name.startswith("nvidia-") for name in packages)  # no CUDA libraries pulled in
+    assert "ipywidgets" in packages and "matplotlib" in packages
+
+
+def test_every_notebook_runs_in_the_binder_environment(binder: dict) -> None:
+    assert len(NOTEBOOKS) >= 6, NOTEBOOKS
+    output = _run(["python", "-c", _EXECUTE, *NOTEBOOKS], binder["checkout"] / "notebooks", binder["environment"], 1500)
+    print(output)
+    assert all(f"{name} " in output for name in NOTEBOOKS)
+
+
+@pytest.mark.parametrize("kind", ["wheel", "sdist"])
+def test_the_wheel_and_sdist_install_and_work(binder: dict, kind: str) -> None:
+    outdir = binder["root"] / "dist"
+    if not outdir.exists():
+        _run(["python", "-m", "pip", "install", "--quiet", "build"], binder["checkout"], binder["environment"], 600)
+        _run(["python", "-m", "build", "--outdir", str(outdir), "."], binder["checkout"], binder["environment"], 900)
+    built = next(outdir.glob("nbmem-0.1.0-py3-none-any.whl" if kind == "wheel" else "nbmem-0.1.0.tar.gz"))
+    _run(["python", "-m", "pip", "install", "--quiet", "--force-reinstall", "--no-deps", str(built)],
+         binder["root"], binder["environment"], 600)
+    printed = _run(["python", "-c", _SMOKE], binder["root"], binder["environment"], 300).splitlines()
+    assert printed[0].startswith(str(binder["env"]))  # the installed copy, not the checkout
+    assert printed[1:] == ["4239872", "4194304"]  # (1024*1024 + 1024 + 10*1024 + 10) * 4, rounded; 4 MiB retained
+    assert "usage: nbmem" in _run(["nbmem", "--help"], binder["root"], binder["environment"], 120)
