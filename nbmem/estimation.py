@@ -272,9 +272,10 @@ def estimate(
             chosen = _apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
             optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
+            assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
-                optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify if whole.tracker else _ignore,
+                optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
             )
             scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
             step = functools.partial(_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on)
@@ -340,10 +341,6 @@ def _real_rank(parallel: str) -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _ignore(tensor: torch.Tensor, category: str) -> None:
-    """No tracker to tell what a tensor is for (a measured run without a breakdown)."""
 
 
 def resolve_batch_size(

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import html
 import time
-
-import torch
 from typing import Any
 
 from . import _env
 from .devices import PRESETS, parse_capacity
 from .estimation import OPTIMIZERS, PRECISIONS, Estimate, estimate
-from .parallel import STRATEGIES, check_parallel, launch
+from .parallel import STRATEGIES, check_parallel
 from .results import stacked_bar_html
 from .units import format_bytes
+from .whatif import real_mode, run_configuration
 
 __all__ = ["explore", "Explorer"]
 
@@ -125,17 +124,14 @@ class Explorer:
                 f"estimate</div>"
             )
             return None
-        mode = "measured" if torch.cuda.is_available() else "tracked"
+        mode = real_mode()
         where = "measured on CUDA" if mode == "measured" else "tracked on this CPU"
         if config["parallel"] != "single":
             where = f"{ranks} real ranks {where}, the largest shown"
         self.check.value = f"<i>running the step for real, {where}…</i>"
         where = f"run for real, {where}"
         capacity, _ = parse_capacity(config["device"])
-        if config["parallel"] == "single":
-            self.measured = estimate(self.model, self.batch, mode=mode, **config)
-        else:
-            self.measured = launch(self.model, self.batch, mode=mode, **config).worst
+        self.measured = run_configuration(self.model, self.batch, mode, config)
         estimated = self.update()
         difference = (self.measured.peak - estimated.peak) / estimated.peak if estimated.peak else 0.0
         self.check.value = (

@@ -397,8 +397,8 @@ class Tracker:
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            # A sparse tensor or a DTensor has no storage of its own: its
-            # memory is that of its parts. Nested tensors are not counted.
+            # A sparse tensor has no storage of its own: its memory is that
+            # of its index and value tensors. Nested tensors are not counted.
             for part in _parts(tensor):
                 self._count(part, adopt)
             return

@@ -116,11 +116,11 @@ class Comparison:
             return ""
         if row.error:
             return row.error
-        peak = row.peak
-        assert peak is not None  # a row without an error has its result
+        result = row.result
+        assert result is not None  # a row without an error has its result
         unit, size = self.unit
-        text = f"{peak / size:.3g}"
-        if self.capacity is not None and not _fits(row, self.capacity):
+        text = f"{result.peak / size:.3g}"
+        if result.fits is False:  # Estimate.fits: the allocated peak, and every segment reserved (None: no capacity)
             text += " (no fit)"
         return text
 
@@ -280,7 +280,7 @@ def sweep(
         if options["parallel"] == "single" and options["world_size"] != 1:
             continue  # one device has no world size to vary
         try:
-            rows.append(SweepRow(config, _run(model, batch, mode, dict(loss=loss, foreach=foreach, device=device,
+            rows.append(SweepRow(config, run_configuration(model, batch, mode, dict(loss=loss, foreach=foreach, device=device,
                                                                        **_enforced(mode, capacity), **options))))
         except torch.OutOfMemoryError:
             rows.append(SweepRow(config, None, "OOM"))
@@ -290,15 +290,16 @@ def sweep(
     return Comparison(rows, swept, mode, capacity, label or "")
 
 
-def _fits(row: SweepRow, capacity: int) -> bool:
-    """As Estimate.fits: the allocated peak within the capacity, and every segment reserved."""
-    result = row.result
-    assert result is not None  # only rows that ran are compared
-    return result.peak <= capacity if result.fits is None else result.fits
+def real_mode() -> str:
+    """How a real check runs here: measured on the CUDA device when there is one, else tracked on this CPU."""
+    return "measured" if torch.cuda.is_available() else "tracked"
 
 
-def _run(model: Any, batch: Any, mode: str, options: dict[str, Any]) -> Estimate:
-    """One configuration: an estimate, a real run here, or (data-parallel, real) a launch's largest rank."""
+def run_configuration(model: Any, batch: Any, mode: str, options: dict[str, Any]) -> Estimate:
+    """One configuration: an estimate, a real run here, or (data-parallel, real) a launch's largest rank.
+
+    A rank that ran out of memory raises ``torch.OutOfMemoryError``, as a run in this process would.
+    """
     if mode == "estimated" or options["parallel"] == "single":
         return estimate(model, batch, mode=mode, **options)
     try:
@@ -460,7 +461,7 @@ def max_batch_size(
     from .devices import parse_capacity
 
     if verify == "auto":
-        verify = "measured" if torch.cuda.is_available() else "tracked"
+        verify = real_mode()
     if verify not in ("tracked", "measured"):
         raise ValueError(f"unknown verify mode {verify!r}: use 'auto', 'tracked' (this CPU) or 'measured' (CUDA)")
     _run_device(verify)
@@ -493,7 +494,7 @@ def max_batch_size(
 
     def fits(size: int) -> bool:
         try:
-            result = _run(model, batch, verify,
+            result = run_configuration(model, batch, verify,
                           dict(batch_size=size, device=capacity, enforce_capacity=True, **options))
         except torch.OutOfMemoryError:
             trials.append((size, None))

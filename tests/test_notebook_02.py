@@ -9,14 +9,12 @@ markdown says it shows.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-import nbclient
 import nbformat
 import pytest
-from _notebooks import assert_committed_clean
+from _notebooks import assert_committed_clean, execute
 
 pytestmark = pytest.mark.slow
 
@@ -27,19 +25,8 @@ _AMOUNT = re.compile(r"gpumem free: ([0-9.]+) (B|KiB|MiB|GiB) came back")
 
 @pytest.fixture(scope="module")
 def executed() -> dict[str, Any]:
-    """The notebook after running it (once), and how long that took."""
-    notebook = nbformat.read(PATH, as_version=4)
-    client = nbclient.NotebookClient(
-        notebook,
-        kernel_name="python3",
-        timeout=120,
-        allow_errors=False,  # only cells tagged raises-exception may fail
-        resources={"metadata": {"path": str(NOTEBOOKS)}},
-    )
-    started = time.perf_counter()
-    client.execute()
-    seconds = time.perf_counter() - started
-    print(f"\n02-why-and-out-of-memory.ipynb executed in {seconds:.1f} s (kernel start included)")
+    """The notebook after running it (once), and how long that took; only cells tagged raises-exception may fail."""
+    notebook, seconds = execute(PATH)
     return {"notebook": notebook, "seconds": seconds}
 
 
