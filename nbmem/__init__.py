@@ -61,8 +61,8 @@ _LAZY = {
     "sweep": "whatif",
     "max_batch_size": "whatif",
     "explore": "explorer",
-    "launch": "parallel",
-    "Launch": "parallel",
+    "launch": "launcher",
+    "Launch": "launcher",
     "STRATEGIES": "parallel",
     "Comparison": "whatif",
     "Estimate": "estimation",
@@ -81,7 +81,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .diagnosis import diagnose
     from .estimation import Estimate, estimate
     from .explorer import explore
-    from .parallel import STRATEGIES, Launch, launch
+    from .launcher import Launch, launch
+    from .parallel import STRATEGIES
     from .whatif import Comparison, max_batch_size, sweep
     from .magics import history
     from .reclaim import Reclaimed, free

@@ -18,7 +18,6 @@ own statistics (what a measured sweep and ``max_batch_size`` use on a GPU).
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import html
 from dataclasses import dataclass
@@ -27,9 +26,18 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .building import (
+    FAKE_ERRORS,
+    apply_precision_and_checkpointing,
+    fresh_model,
+    new_fake_mode,
+    repeated_blocks,
+    without_onednn,
+)
 from .parallel import check_parallel, parallelize, per_device_batch, process_group
 from .results import Breakdown
 from .scope import MemoryScope
+from .step import run_step
 from .tracking import Tracker
 from .units import format_bytes
 
@@ -240,7 +248,7 @@ def estimate(
         from .devices import parse_capacity
 
         capacity, label = parse_capacity(device)
-    fake_mode = _fake_mode() if mode == "estimated" else None
+    fake_mode = new_fake_mode() if mode == "estimated" else None
     notes: list[str] = []
     limit = capacity if enforce_capacity else None
     simulation = None
@@ -266,10 +274,10 @@ def estimate(
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        with group as mesh, _without_onednn(), outer, scope(capacity=limit) as whole:
-            network = _fresh_model(model, fake_mode, run_on)
+        with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole:
+            network = fresh_model(model, fake_mode, run_on)
             block = repeated_blocks(network)
-            chosen = _apply_precision_and_checkpointing(network, precision, checkpointing, notes)
+            chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
             optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
@@ -278,7 +286,7 @@ def estimate(
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
             )
             scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
-            step = functools.partial(_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on)
+            step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on)
             peaks, reserved, breakdowns = [], [], []
             for _ in range(2):
                 with scope() as one:
@@ -291,7 +299,7 @@ def estimate(
                     reserved.append(result.peak_reserved - before[1])
                 breakdowns.append(result.breakdown)
             parameters = sum(parameter.numel() for parameter in network.parameters())
-    except _FAKE_ERRORS as error:
+    except FAKE_ERRORS as error:
         raise ValueError(
             f"the model can't run on fake tensors ({type(error).__name__}: it reads a tensor's value, e.g. .item(), "
             "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
@@ -376,36 +384,6 @@ def _run_device(mode: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-@contextlib.contextmanager
-def _without_onednn() -> Any:
-    """oneDNN off, and back as it was (mkldnn.flags() also resets TF32 and warns each time)."""
-    previous = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.enabled = False  # type: ignore[assignment]  # a ContextProp in torch's stubs
-    try:
-        yield
-    finally:
-        torch.backends.mkldnn.enabled = previous
-
-
-def _fake_errors() -> tuple[type[BaseException], ...]:
-    from torch._subclasses import fake_tensor
-
-    return (
-        fake_tensor.DataDependentOutputException,
-        fake_tensor.DynamicOutputShapeException,
-        fake_tensor.UnsupportedOperatorException,
-    )
-
-
-_FAKE_ERRORS = _fake_errors()
-
-
-def _fake_mode() -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode()
-
-
 def _check(batch_size: Any, precision: str, optimizer: Any, accumulation: Any) -> None:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive whole number, got {batch_size!r}")
@@ -418,195 +396,3 @@ def _check(batch_size: Any, precision: str, optimizer: Any, accumulation: Any) -
             f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}, or pass a function "
             "that takes the parameters and returns a torch.optim.Optimizer"
         )
-
-
-def _fresh_model(model: Any, fake_mode: Any, device: torch.device) -> nn.Module:
-    """A model of nbmem's own on ``device``: built by the factory, or copied (as fake tensors when estimating)."""
-    if isinstance(model, nn.Module):
-        if fake_mode is None:
-            return copy.deepcopy(model).to(device)
-        # Copy the module's structure, with every parameter and buffer replaced
-        # by a fake tensor of the same shape: the memo makes deepcopy use them.
-        memo: dict[int, Any] = {}
-        for parameter in model.parameters():
-            memo[id(parameter)] = nn.Parameter(fake_mode.from_tensor(parameter), requires_grad=parameter.requires_grad)
-        for buffer in model.buffers():
-            memo[id(buffer)] = fake_mode.from_tensor(buffer)
-        return copy.deepcopy(model, memo)
-    if callable(model):
-        copies = _FakeDeepcopy() if fake_mode is not None else contextlib.nullcontext()
-        with copies, _default_device(device):
-            built = model()
-        if not isinstance(built, nn.Module):
-            raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
-        return built.to(device) if device.type == "cuda" else built
-    raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
-
-
-class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
-    """Deep copies of fake tensors while a model is built, in the same fake mode.
-
-    Models clone their blocks with ``copy.deepcopy`` (``nn.TransformerEncoder``
-    does); a fake tensor's own deepcopy lands in a new FakeTensorMode, which
-    then can't mix with the rest. A copy is a fresh tensor of the same shape
-    and dtype in the current mode: distinct storage, as a real copy has.
-    """
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        if func is torch.Tensor.__deepcopy__:
-            from torch._subclasses.fake_tensor import FakeTensor
-
-            tensor, memo = args
-            if isinstance(tensor, FakeTensor) or isinstance(getattr(tensor, "data", None), FakeTensor):
-                if id(tensor) in memo:
-                    return memo[id(tensor)]
-                copied = torch.empty_like(tensor.data if isinstance(tensor, nn.Parameter) else tensor)
-                if isinstance(tensor, nn.Parameter):
-                    copied = nn.Parameter(copied, requires_grad=tensor.requires_grad)
-                else:
-                    copied.requires_grad_(tensor.requires_grad)
-                memo[id(tensor)] = copied
-                return copied
-        return func(*args, **(kwargs or {}))
-
-
-def repeated_blocks(model: nn.Module) -> type[nn.Module] | None:
-    """The block type to checkpoint: the outermost module type with parameters that repeats.
-
-    >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64), 3, enable_nested_tensor=False)
-    >>> repeated_blocks(encoder).__name__
-    'TransformerEncoderLayer'
-    """
-    depths: dict[type, list[int]] = {}
-    for name, module in model.named_modules():
-        if name and any(True for _ in module.children()) and any(True for _ in module.parameters()):
-            depths.setdefault(type(module), []).append(name.count("."))
-    repeated = [(min(levels), kind) for kind, levels in depths.items() if len(levels) >= 2]
-    return min(repeated, key=lambda item: item[0])[1] if repeated else None
-
-
-def _apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpointing: Any, notes: list[str]) -> str:
-    if precision.endswith("-weights"):
-        # module.to() swaps fake tensors in place, which FakeTensorMode's own weak
-        # references forbid: give nbmem's copy new parameters of the new dtype.
-        dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-        for module in model.modules():
-            for name, parameter in module._parameters.items():
-                if parameter is not None and parameter.is_floating_point():
-                    module._parameters[name] = nn.Parameter(parameter.detach().to(dtype), parameter.requires_grad)
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(dtype)
-    if not checkpointing:
-        return "off"
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-
-    if callable(checkpointing):
-        check, chosen = checkpointing, "on (your predicate)"
-    else:
-        block = repeated_blocks(model)
-        if block is None:
-            notes.append("checkpointing: no repeated block with parameters found; pass checkpointing=<predicate>")
-            return "off (no repeated block)"
-        check, chosen = (lambda module: isinstance(module, block)), f"on ({block.__name__})"
-    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=check)
-    return chosen
-
-
-def _default_device(device: torch.device) -> Any:
-    """Factories called inside build on ``device`` (a CUDA run builds the model and batch there directly)."""
-    return device if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _step(
-    model: nn.Module,
-    batch_fn: Callable[[int], Any],
-    batch_size: int,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler | None,
-    precision: str,
-    accumulation: int,
-    device: torch.device,
-) -> None:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    for _ in range(accumulation):
-        with _default_device(device):
-            inputs = _checked_batch(batch_fn(batch_size), batch_size)
-        if device.type == "cuda":
-            inputs = _moved(inputs, device)
-        if precision.endswith("-weights"):
-            weight_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-            inputs = _cast_floats(inputs, weight_dtype)
-        autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with autocast:
-            output = _forward(model, inputs)
-            value = loss_fn(output, inputs) if loss_fn is not None else _default_loss(output, inputs)
-        (scaler.scale(value) if scaler is not None else value).backward()
-        del output, value, inputs
-    if scaler is not None:
-        # GradScaler.step reads the found-inf flag with .item(), which fake
-        # tensors can't answer; the memory is the same: unscale, step, update.
-        scaler.unscale_(optimizer)
-        optimizer.step()
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def _checked_batch(value: Any, batch_size: int) -> Any:
-    if isinstance(value, torch.Tensor) or (
-        isinstance(value, (tuple, list)) and value and all(isinstance(item, torch.Tensor) for item in value)
-    ) or (isinstance(value, dict) and value and all(isinstance(item, torch.Tensor) for item in value.values())):
-        return value
-    raise ValueError(
-        f"the batch factory returned {type(value).__name__} for batch_size={batch_size}: it must return a tensor, "
-        "a tuple (inputs, targets) of tensors, or a dict of tensors passed to the model as keyword arguments"
-    )
-
-
-def _cast_floats(value: Any, dtype: torch.dtype) -> Any:
-    return _each_tensor(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
-
-
-def _moved(value: Any, device: torch.device) -> Any:
-    """A batch the factory made elsewhere (e.g. on the CPU, as a DataLoader does), moved to ``device``."""
-    return _each_tensor(value, lambda tensor: tensor.to(device))
-
-
-def _each_tensor(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return cast(value)
-    if isinstance(value, dict):
-        return {key: cast(item) for key, item in value.items()}
-    return type(value)(cast(item) for item in value)
-
-
-def _forward(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return model(inputs)
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    return model(inputs[0])
-
-
-def _default_loss(output: Any, inputs: Any) -> torch.Tensor:
-    if hasattr(output, "loss") and isinstance(output.loss, torch.Tensor):
-        return output.loss
-    if isinstance(output, (tuple, list)):  # e.g. an LSTM's (output, (h, c))
-        output = output[0]
-    targets = inputs[1] if isinstance(inputs, (tuple, list)) and len(inputs) > 1 else None
-    if targets is not None and not targets.is_floating_point() and output.dim() >= 2:
-        return nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten())
-    if targets is not None and targets.is_floating_point() and targets.shape == output.shape:
-        return nn.functional.mse_loss(output.float(), targets.float())
-    mean: torch.Tensor = output.float().mean()
-    return mean

@@ -1,6 +1,7 @@
-"""Real ranks on this machine: fork N processes, join them into one process group, collect each rank's answer.
+"""Real ranks on this machine: :func:`launch` runs the training step as N ranks and returns every rank's figures.
 
-Used by :func:`nbmem.launch` to verify a data-parallel estimate. The ranks are
+:func:`run_ranks` does the work, for :func:`launch` and nothing else: it forks N processes, joins them into
+one process group and collects each rank's answer, to verify a data-parallel estimate. The ranks are
 forked, so a model and batch factory defined in a notebook work as they are
 (nothing is pickled on the way in); each rank's answer comes back pickled
 through a file. The guarantees:
@@ -24,9 +25,16 @@ import signal
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["run_ranks", "RankError"]
+import torch
+
+from .estimation import Estimate, _check, estimate, resolve_batch_size
+from .parallel import collectives_on_copies
+from .units import format_bytes
+
+__all__ = ["launch", "Launch", "run_ranks", "RankError"]
 
 
 class RankError(RuntimeError):
@@ -185,3 +193,119 @@ def _die_with_parent() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Every rank's figures from a real launch (:func:`launch`).
+
+    ``ranks`` holds one :class:`~nbmem.Estimate` per rank, in rank order
+    (``mode`` ``"tracked"`` or ``"measured"``); ``peaks`` their allocated
+    peaks, ``peak`` the largest (what the fullest GPU must hold), ``worst``
+    that rank's estimate; ``print()`` shows one line per rank.
+
+    Example (not run as a doctest: a launch starts processes and takes
+    seconds; :func:`launch`'s own example runs one)::
+
+        ranks = nbmem.launch(build, make, batch_size=8, parallel="zero1", world_size=2)
+        ranks.peaks                  # [120832, 67072]: ZeRO-1's rank 0 holds more optimizer state
+        ranks.worst.breakdown        # what the fullest rank's memory was for
+        print(ranks)                 # gpumem launch: zero1 on 2 real ranks (tracked, gloo on the CPU), ...
+    """
+
+    parallel: str
+    world_size: int
+    mode: str  # "tracked" (gloo on the CPU) or "measured" (NCCL on CUDA)
+    ranks: tuple[Estimate, ...]  # one per rank, in rank order
+
+    @property
+    def peaks(self) -> list[int]:
+        return [rank.peak for rank in self.ranks]
+
+    @property
+    def peak(self) -> int:
+        """The largest rank's peak: what the largest GPU must hold."""
+        return max(self.peaks)
+
+    @property
+    def worst(self) -> Estimate:
+        """The rank with the largest peak (its nbmem.Estimate)."""
+        return max(self.ranks, key=lambda rank: rank.peak)
+
+    def __str__(self) -> str:
+        first = self.ranks[0]
+        lines = [
+            f"gpumem launch: {self.parallel} on {self.world_size} real ranks ({self.mode}, "
+            f"{'gloo on the CPU' if self.mode == 'tracked' else 'NCCL on CUDA'}), batch {first.batch_size} per rank, "
+            f"global batch {first.global_batch}"
+        ]
+        for index, rank in enumerate(self.ranks):
+            parts = ", ".join(f"{name} {format_bytes(size)}" for name, size in rank.breakdown.at_peak if size)
+            lines.append(f"  rank {index}  peak {format_bytes(rank.peak)} allocated ({parts})")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+
+def launch(
+    model: Any,
+    batch: Callable[[int], Any],
+    *,
+    parallel: str,
+    world_size: int,
+    batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    timeout: float = 600.0,
+    mode: str = "auto",
+    **knobs: Any,
+) -> Launch:
+    """Run the training step for real as ``world_size`` ranks on this machine; every rank's peak.
+
+    On a CPU the ranks are forked processes joined with the gloo backend, each
+    tracked (the same accounting as ``mode="tracked"``); on a machine with
+    enough CUDA devices, NCCL, each rank measured on its own GPU (untested so
+    far); ``mode="tracked"`` keeps to the CPU either way. The knobs are
+    :func:`nbmem.estimate`'s. A rank that fails stops the
+    launch: the others are killed and its error is raised here; nothing is
+    left running, and this process (the notebook's kernel) is not touched.
+
+    >>> import torch
+    >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    >>> make = lambda n: (torch.randn(n, 64), torch.randint(0, 4, (n,)))
+    >>> ranks = launch(build, make, batch_size=8, parallel="ddp", world_size=2, optimizer="sgd")
+    >>> len(ranks.peaks), ranks.mode, ranks.ranks[1].rank
+    (2, 'tracked', 1)
+    """
+    if mode not in ("auto", "tracked", "measured"):
+        raise ValueError(f"unknown mode {mode!r} for a launch: use 'auto', 'tracked' (gloo, CPU) or 'measured' (NCCL, CUDA)")
+    # bad input fails here, before any process starts
+    per_rank = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, knobs.get("accumulation", 1))
+    _check(per_rank, knobs.get("precision", "fp32"), knobs.get("optimizer", "adamw"), knobs.get("accumulation", 1))
+    cuda = torch.cuda.is_available() and mode != "tracked"
+    if mode == "measured" and not cuda:
+        raise ValueError("mode 'measured' launches on CUDA devices and none is available here: use mode='tracked'")
+    if cuda:
+        if torch.cuda.is_initialized():
+            raise ValueError(
+                "CUDA is already initialised in this process, and forked ranks can't use it: call nbmem.launch "
+                "before anything touches the GPU (e.g. at the top of a fresh kernel), or from a script"
+            )
+        if world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"world_size={world_size} needs {world_size} CUDA devices and this machine has "
+                f"{torch.cuda.device_count()}: estimate larger worlds with nbmem.estimate(parallel=...)"
+            )
+
+    def rank_step(rank: int, world: int) -> Any:
+        # one thread per rank: a forked child must not start OpenMP threads once
+        # its parent has used them (libgomp would hang), and the ranks share the cores
+        torch.set_num_threads(1)
+        if cuda:
+            torch.cuda.set_device(rank)
+        with contextlib.nullcontext() if cuda else collectives_on_copies():
+            return estimate(model, batch, batch_size=per_rank, parallel=parallel, world_size=world,
+                            mode="measured" if cuda else "tracked", **knobs)
+
+    ranks = run_ranks(rank_step, world_size, backend="nccl" if cuda else "gloo", timeout=timeout)
+    return Launch(parallel, world_size, "measured" if cuda else "tracked", tuple(ranks))

@@ -17,8 +17,8 @@ from typing import Any, Iterable
 import torch
 
 from .estimation import Estimate, _run_device, estimate
-from .launcher import RankError
-from .parallel import check_parallel, launch
+from .launcher import RankError, launch
+from .parallel import check_parallel
 from .results import CATEGORIES, text_table
 from .units import format_bytes
 

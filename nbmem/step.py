@@ -1,0 +1,108 @@
+"""The training step nbmem runs when the user gives none: forward, loss, backward, step, zero_grad.
+
+What it holds, in order, for each of ``accumulation`` micro-batches: the
+batch, the model's output and the loss until ``backward()`` returns; then
+they are dropped (the output is not kept through the optimizer step). After
+the last micro-batch: ``optimizer.step()`` (with fp16, the GradScaler's
+unscale/step/update), then ``zero_grad(set_to_none=True)``, so gradients do
+not live between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .building import default_device
+
+__all__ = ["run_step", "checked_batch", "cast_floats", "moved_to"]
+
+
+def run_step(
+    model: nn.Module,
+    batch_fn: Callable[[int], Any],
+    batch_size: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    precision: str,
+    accumulation: int,
+    device: torch.device,
+) -> None:
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    for _ in range(accumulation):
+        with default_device(device):
+            inputs = checked_batch(batch_fn(batch_size), batch_size)
+        if device.type == "cuda":
+            inputs = moved_to(inputs, device)
+        if precision.endswith("-weights"):
+            weight_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+            inputs = cast_floats(inputs, weight_dtype)
+        autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        with autocast:
+            output = _forward(model, inputs)
+            value = loss_fn(output, inputs) if loss_fn is not None else _default_loss(output, inputs)
+        (scaler.scale(value) if scaler is not None else value).backward()
+        del output, value, inputs
+    if scaler is not None:
+        # GradScaler.step reads the found-inf flag with .item(), which fake
+        # tensors can't answer; the memory is the same: unscale, step, update.
+        scaler.unscale_(optimizer)
+        optimizer.step()
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def checked_batch(value: Any, batch_size: int) -> Any:
+    if isinstance(value, torch.Tensor) or (
+        isinstance(value, (tuple, list)) and value and all(isinstance(item, torch.Tensor) for item in value)
+    ) or (isinstance(value, dict) and value and all(isinstance(item, torch.Tensor) for item in value.values())):
+        return value
+    raise ValueError(
+        f"the batch factory returned {type(value).__name__} for batch_size={batch_size}: it must return a tensor, "
+        "a tuple (inputs, targets) of tensors, or a dict of tensors passed to the model as keyword arguments"
+    )
+
+
+def cast_floats(value: Any, dtype: torch.dtype) -> Any:
+    return _each_tensor(value, lambda tensor: tensor.to(dtype) if tensor.is_floating_point() else tensor)
+
+
+def moved_to(value: Any, device: torch.device) -> Any:
+    """A batch the factory made elsewhere (e.g. on the CPU, as a DataLoader does), moved to ``device``."""
+    return _each_tensor(value, lambda tensor: tensor.to(device))
+
+
+def _each_tensor(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return cast(value)
+    if isinstance(value, dict):
+        return {key: cast(item) for key, item in value.items()}
+    return type(value)(cast(item) for item in value)
+
+
+def _forward(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    return model(inputs[0])
+
+
+def _default_loss(output: Any, inputs: Any) -> torch.Tensor:
+    if hasattr(output, "loss") and isinstance(output.loss, torch.Tensor):
+        return output.loss
+    if isinstance(output, (tuple, list)):  # e.g. an LSTM's (output, (h, c))
+        output = output[0]
+    targets = inputs[1] if isinstance(inputs, (tuple, list)) and len(inputs) > 1 else None
+    if targets is not None and not targets.is_floating_point() and output.dim() >= 2:
+        return nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten())
+    if targets is not None and targets.is_floating_point() and targets.shape == output.shape:
+        return nn.functional.mse_loss(output.float(), targets.float())
+    mean: torch.Tensor = output.float().mean()
+    return mean
