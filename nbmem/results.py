@@ -11,6 +11,7 @@ import html
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator, Literal, Sequence
 
+from .charts import COLOURS
 from .units import format_bytes
 
 __all__ = ["MemoryResult", "Breakdown", "report_html", "stacked_bar_html", "CATEGORIES", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
@@ -270,32 +271,18 @@ class MemoryResult:
         return report_html(self, breakdown=self.show_breakdown)
 
 
-_COLOURS = {
-    "before": "#8d99ae",
-    "cell peak": "#e76f51",
-    "cached": "#f4d58d",
-    "free": "#e9ecef",
-    "parameter": "#264653",
-    "buffer": "#6d597a",
-    "optimizer state": "#2a9d8f",
-    "gradient": "#e9c46a",
-    "activation": "#e76f51",
-    "other": "#adb5bd",
-}
-
-
 def stacked_bar_html(segments: list[tuple[str, int]], css_class: str, *, always: tuple[str, ...] = ()) -> str:
     """A horizontal bar of named byte segments, and its legend (segments of 0 B left out)."""
     total = sum(size for _, size in segments) or 1
     bar = "".join(
         f'<div class="nbmem-seg nbmem-seg-{name.replace(" ", "-")}" title="{name}: {format_bytes(size)}"'
-        f' style="width:{100 * size / total:.3f}%;background:{_COLOURS[name]}"></div>'
+        f' style="width:{100 * size / total:.3f}%;background:{COLOURS[name]}"></div>'
         for name, size in segments
         if size > 0
     )
     legend = " ".join(
         f'<span style="white-space:nowrap"><span style="display:inline-block;width:0.8em;height:0.8em;'
-        f'background:{_COLOURS[name]};margin-right:0.25em"></span>{name} {format_bytes(size)}</span>'
+        f'background:{COLOURS[name]};margin-right:0.25em"></span>{name} {format_bytes(size)}</span>'
         for name, size in segments
         if size > 0 or name in always
     )
@@ -410,7 +397,7 @@ class History:
 
     def plot(self) -> Any:
         """A matplotlib Figure: one bar per cell, its peak above the start."""
-        from .display import history_figure
+        from .charts import history_figure
 
         return history_figure(self)
 

@@ -59,7 +59,7 @@ class Timeline:
 
     def plot(self) -> Any:
         """A matplotlib Figure: stacked areas per category, the peak marked and named."""
-        from .display import timeline_figure
+        from .charts import timeline_figure
 
         return timeline_figure(self)
 

@@ -191,7 +191,7 @@ class Comparison:
     def plot(self, kind: str = "lines") -> Any:
         """``"lines"``: peak against batch size, one line per variant, the capacity as a line;
         ``"breakdown"``: stacked category bars at the peak, one per configuration."""
-        from .display import comparison_figure
+        from .charts import comparison_figure
 
         if kind not in ("lines", "breakdown"):
             raise ValueError(f"unknown plot kind {kind!r}: use 'lines' or 'breakdown'")
