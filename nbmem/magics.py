@@ -20,6 +20,7 @@ from . import display
 from .diagnosis import diagnose, is_out_of_memory
 from .results import History, MemoryResult, first_line
 from .scope import BACKENDS, Backend, MemoryScope, resolve_backend
+from .tracking import default_tracker
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
 
@@ -390,7 +391,12 @@ def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str
     under ``%gpumem on`` is measured as that asks). Raises ValueError for a
     backend or device that can't be used here.
     """
-    resolve_backend(backend, device)
+    mode, resolved = resolve_backend(backend, device)
+    if mode == "tracked":
+        # The first tracker costs seconds (PyTorch imports torch._dynamo on the
+        # first dispatch-mode call, see Tracker.__init__): paid here, in
+        # `nbmem profile`'s setup, not in the notebook's first cell and its --timeout.
+        default_tracker(resolved)
     load(shell)
     session = _session(shell)
     session.log_path = path
