@@ -19,6 +19,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from _processes import gone
 from nbmem import cli
 
 pytestmark = pytest.mark.slow
@@ -167,15 +168,6 @@ def test_timeout_is_for_the_notebooks_cells_not_nbmems_setup(tmp_path, capsys):
     assert "x = 1" in table_row(out, 1) and "installed" not in err
 
 
-def _gone(pid: int) -> bool:
-    """No such process, or a zombie waiting to be reaped (it runs nothing any more)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.parametrize(
     "signal_number, status, says",
     [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
@@ -213,7 +205,7 @@ def test_a_signal_stops_the_run_in_one_line_kills_the_kernel_and_cleans_up(tmp_p
     assert lines == [f"nbmem profile: {says}: cell [2] was running (first line: import os, time); the kernel was killed"]
     assert "Traceback" not in err
     assert not list(temporary.glob("nbmem-profile-*"))  # the log is removed
-    assert _gone(int(pid_file.read_text()))
+    assert gone(int(pid_file.read_text()))
 
 
 def test_console_script_runs_as_a_module(tmp_path):
