@@ -202,7 +202,8 @@ examples:
         metavar="SECONDS",
         type=_seconds,
         default=None,
-        help="fail a cell that runs longer than SECONDS (default: no limit)",
+        help="fail a notebook cell that runs longer than SECONDS (nbmem's own setup in the kernel is not "
+        "held to it; default: no limit)",
     )
     profile.add_argument(
         "--backend",

@@ -306,6 +306,17 @@ def test_version_prints_the_package_version(capsys):
     # the version nbmem says is the one the package is built with
     pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
     assert f'version = "{nbmem.__version__}"' in pyproject
+    # and asking for it stays light: no torch, no Jupyter stack
+    code = (
+        "import sys, nbmem\n"
+        "assert nbmem.__version__\n"
+        "try:\n    __import__('nbmem.cli').cli.main(['--version'])\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'nbclient', 'nbformat', 'IPython'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"nbmem {nbmem.__version__}", "[]"]
 
 
 def test_backend_choices_match_the_scope():
