@@ -336,20 +336,20 @@ def profile_notebook(
         # Stale counts from an earlier run would map to the wrong log lines.
         cell.execution_count = None
 
-    log_fd, log_path = tempfile.mkstemp(prefix="nbmem-profile-", suffix=".jsonl")
-    os.close(log_fd)
-    setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(log_path=log_path, backend=backend))
-    notebook.cells.insert(0, setup)
     client = NotebookClient(
         notebook,
         kernel_name=kernel_name,
         timeout=timeout,
         resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}},
     )
-
     running: list[Any] = [None]  # the cell the kernel runs now (None: nbmem's setup), for an interruption
     started = False
+    # nothing between making the log and the try that removes it, where an interruption could leave it
+    log_fd, log_path = tempfile.mkstemp(prefix="nbmem-profile-", suffix=".jsonl")
     try:
+        os.close(log_fd)
+        setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(log_path=log_path, backend=backend))
+        notebook.cells.insert(0, setup)
         try:
             with client.setup_kernel():
                 started = True
