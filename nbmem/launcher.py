@@ -50,12 +50,13 @@ class RankError(RuntimeError):
     for a signal (-9 SIGKILL, -11 SIGSEGV), None if it had not ended yet.
     """
 
-    def __init__(self, rank: int, message: str, exitcode: int | None = None) -> None:
+    def __init__(self, rank: int, message: str, exitcode: int | None = None, *, reported: bool = True) -> None:
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
-        last = message.rstrip().splitlines()[-1] if message.strip() else ""
-        #: The failing rank's exception type, as its traceback names it ("torch.OutOfMemoryError").
+        last = message.rstrip().splitlines()[-1] if message.strip() and reported else ""
+        #: The failing rank's exception type, as its traceback names it ("torch.OutOfMemoryError");
+        #: empty for a rank that died without reporting one (its message ends with its log, not a traceback).
         self.kind = last.split(":", 1)[0] if ":" in last else ""
 
 
@@ -132,7 +133,7 @@ def _wait(processes: list[Any], folder: str, timeout: float) -> None:
         if any(p.exitcode not in (None, 0) for p in processes):
             rank = _first_failure(processes, folder)
             code = processes[rank].exitcode
-            raise RankError(rank, _failure(folder, rank, code, len(processes)), code)
+            raise RankError(rank, _failure(folder, rank, code, len(processes)), code, reported=_reported(folder, rank))
         if all(p.exitcode == 0 for p in processes):
             return
         if time.monotonic() > deadline:

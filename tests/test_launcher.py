@@ -105,6 +105,7 @@ def test_a_rank_that_dies_hard_is_named_not_the_healthy_peer_that_lost_it(how, e
         run_ranks(target, 2, timeout=100)
     message = str(raised.value)
     assert raised.value.rank == 1 and raised.value.exitcode == exitcode
+    assert raised.value.kind == ""  # no exception type: not read off the last line of its log
     assert message.startswith("rank 1 of 2 failed") and says in message
     assert "rank 0" not in message and "by peer" not in message  # nothing of the healthy rank's error
 
