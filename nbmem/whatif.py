@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import html
 import itertools
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -477,12 +478,13 @@ def max_batch_size(
     """
     from .devices import parse_capacity
 
-    # a bool is an int to Python, and limit=True would search 1..1
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+    # a bool is an integer to Python, and limit=True would search 1..1; numpy's integers are welcome
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
         raise ValueError(
             f"limit={limit!r} can't cap a batch-size search: pass a whole number of samples, at least 1 "
             "(the default is 65536)"
         )
+    limit = int(limit)
     if verify == "auto":
         verify = real_mode()
     if verify not in ("tracked", "measured"):
