@@ -5,17 +5,19 @@ Usage::
     nbmem profile train.ipynb                        # table of every cell
     nbmem profile train.ipynb --max-peak 6GiB        # CI: fail when a cell needs more
     nbmem profile train.ipynb --output ran.ipynb     # keep the executed notebook
+    nbmem --version
 
-The notebook runs cell by cell in a real Jupyter kernel (nbclient), the way
-"Restart & Run All" would, and stops at the first cell that raises. A setup
-cell, which is neither shown nor saved, turns on nbmem's every-cell log in
-that kernel, so the figures are the ones ``%gpumem on`` reports: *measured* by
-the CUDA caching allocator when the kernel has a GPU, *tracked* (bytes a GPU
-would allocate for the same tensors) when it has none.
+The notebook runs cell by cell in a real Jupyter kernel (nbclient);
+:mod:`nbmem.profiling` does that part and is the Python API. This module is
+the command line around it: arguments, the verdict, exit codes, and signals.
+Ctrl-C or SIGTERM stops the run in one line: the kernel is killed, nbmem's
+temporary files are removed, and the message says which cell was running.
 
 Exit status: 0 every cell ran (and fit the budget); 1 a cell failed; 2 the
 notebook could not be profiled (bad arguments, no such notebook or kernel,
-nbmem missing in the kernel); 3 a cell went over ``--max-peak``.
+nbmem missing in the kernel); 3 a cell went over ``--max-peak``; 130
+interrupted (Ctrl-C, SIGINT); 143 terminated (SIGTERM). 130 and 143 are
+128 + the signal's number, what a shell reports for a process the signal killed.
 
 The same from Python, without the exit codes::
 
@@ -28,32 +30,39 @@ The same from Python, without the exit codes::
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
-import re
+import signal
 import sys
-import tempfile
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+import threading
+from typing import Any, Iterator, Sequence
 
-from .results import CELL_COLUMNS, MemoryResult, cell_figures, first_line, shorten, text_table
+from .profiling import (  # noqa: F401  (the classes stay importable from here, as before the split)
+    BACKEND_CHOICES,
+    CellFailure,
+    CellProfile,
+    Interrupted,
+    NotebookProfile,
+    ProfileError,
+    _cell_list,
+    profile_notebook,
+)
 from .units import format_bytes
 
-# Keep this module light: `nbmem --help` must not pay for torch, nbclient or a
-# kernel. They are imported where a profile actually runs.
+# Keep this module light: `nbmem --help` and `nbmem --version` must not pay
+# for torch, nbclient or a kernel. They are imported where a profile runs.
 
 __all__ = [
     "main",
     "build_parser",
-    "profile_notebook",
-    "NotebookProfile",
-    "CellProfile",
-    "CellFailure",
-    "ProfileError",
+    "version",
+    "profile_notebook",  # nbmem.profiling's, here too: what `from nbmem.cli import ...` always gave
     "EXIT_OK",
     "EXIT_CELL_FAILED",
     "EXIT_USAGE",
     "EXIT_OVER_BUDGET",
+    "EXIT_INTERRUPTED",
+    "EXIT_TERMINATED",
 ]
 
 EXIT_OK = 0
@@ -61,359 +70,27 @@ EXIT_CELL_FAILED = 1
 #: argparse also exits with 2 for a malformed command line.
 EXIT_USAGE = 2
 EXIT_OVER_BUDGET = 3
-
-#: Same names as nbmem.scope.BACKENDS, repeated so that parsing the command
-#: line does not import torch (tests/test_cli.py checks that they agree).
-BACKEND_CHOICES = ("auto", "cuda", "tracked")
-
-#: Runs first in the kernel with store_history=False, so the user's cells keep
-#: the execution counts 1, 2, ... that nbmem's log records. `__import__` leaves
-#: no name behind in the user's namespace. The log is independent of the
-#: notebook's own `%gpumem on`/`off`; a backend the kernel can't use raises a
-#: ValueError that says how to fix it.
-_SETUP_CELL = """\
-# Added by `nbmem profile` for this run only; not saved with --output.
-__import__("nbmem.magics").magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r})
-"""
-
-# Kernels colour their tracebacks; a CI log or a pipe wants plain text.
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-_FIRST_LINE_WIDTH = 40
+#: 128 + SIGINT (2): Ctrl-C, as a shell reports it.
+EXIT_INTERRUPTED = 128 + signal.SIGINT
+#: 128 + SIGTERM (15).
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
-class ProfileError(Exception):
-    """The notebook could not be profiled at all; the message says how to fix it."""
+def version() -> str:
+    """The installed nbmem's version: the package metadata's, else ``nbmem.__version__`` (a source checkout).
 
-
-@dataclass(frozen=True)
-class CellFailure:
-    """Why the run stopped at a cell: its exception, a timeout, or a dead kernel."""
-
-    number: int
-    ename: str
-    evalue: str
-    #: Plain text, colours removed; empty when the kernel sent none.
-    traceback: str = ""
-
-    def __str__(self) -> str:
-        reason = f"{self.ename}: {self.evalue}" if self.evalue else self.ename
-        return f"cell [{self.number}] failed: {reason}"
-
-
-@dataclass(frozen=True)
-class CellProfile:
-    """One code cell that ran: its number in the notebook and what nbmem recorded for it.
-
-    ``number`` counts the notebook's code cells from 1, as a reader counts
-    them (markdown cells are not counted, empty code cells are). ``result`` is
-    None for a cell nbmem did not measure: a ``%gpumem ...`` command, or a
-    cell that never finished (timeout, dead kernel).
-
-    >>> cell = CellProfile(number=2, first_line="a = torch.zeros(1024, 1024)", execution_count=2,
-    ...                    result=MemoryResult(mode="tracked", device="cpu", allocated_before=0,
-    ...                                        peak_allocated=4 << 20, allocated_after=4 << 20, seconds=0.5))
-    >>> cell.row()[:5]
-    ('[2]', 'a = torch.zeros(1024, 1024)', '+4.00 MiB', '4.00 MiB', '+4.00 MiB')
+    >>> import nbmem
+    >>> version() == nbmem.__version__
+    True
     """
+    from importlib import metadata
 
-    number: int
-    first_line: str
-    execution_count: int | None
-    result: MemoryResult | None
-    failed: bool = False
-
-    @property
-    def measured(self) -> bool:
-        return self.result is not None
-
-    def row(self) -> tuple[str, ...]:
-        """The cell's table row: cell, first line, peak, in use at peak, retained, time, how."""
-        first_line = shorten(self.first_line, _FIRST_LINE_WIDTH)
-        result = self.result
-        if result is None:
-            how = "not measured" + (" · FAILED" if self.failed else "")
-            return (f"[{self.number}]", first_line, "-", "-", "-", "-", how)
-        *figures, how = cell_figures(result)
-        if self.failed and not result.error:
-            how += " · FAILED"
-        return (f"[{self.number}]", first_line, *figures, how)
-
-
-@dataclass(frozen=True)
-class NotebookProfile:
-    """What one ``nbmem profile`` run found: a row per code cell that ran.
-
-    ``not_run`` numbers the code cells left unexecuted because an earlier one
-    failed. ``notebook`` is the executed notebook without nbmem's setup cell,
-    ready for ``nbformat.write``.
-
-    >>> def cell(number, peak):
-    ...     result = MemoryResult(mode="tracked", device="cpu", allocated_before=0,
-    ...                           peak_allocated=peak, allocated_after=0, seconds=0.01)
-    ...     return CellProfile(number, f"x{number} = ...", number, result)
-    >>> profile = NotebookProfile("nb.ipynb", "python3", (cell(1, 512), cell(2, 3 << 20)))
-    >>> profile.peak_allocated, profile.peak_cell.number
-    (3145728, 2)
-    >>> [c.number for c in profile.over_budget(1 << 20)]   # 3 MiB > 1 MiB
-    [2]
-    """
-
-    path: str
-    kernel: str
-    cells: tuple[CellProfile, ...]
-    failure: CellFailure | None = None
-    not_run: tuple[int, ...] = ()
-    notebook: Any = field(default=None, repr=False, compare=False)
-
-    @property
-    def failed(self) -> bool:
-        return self.failure is not None
-
-    @property
-    def peak_cell(self) -> CellProfile | None:
-        """The measured cell with the most memory in use at its peak (None if none was measured)."""
-        measured = [cell for cell in self.cells if cell.result is not None]
-        return max(measured, key=lambda cell: cell.result.peak_allocated, default=None)  # type: ignore[union-attr]
-
-    @property
-    def peak_allocated(self) -> int | None:
-        """Bytes in use at the highest peak of any measured cell (None if none was measured)."""
-        cell = self.peak_cell
-        return None if cell is None or cell.result is None else cell.result.peak_allocated
-
-    def over_budget(self, budget: int) -> list[CellProfile]:
-        """The measured cells whose in-use peak (``peak_allocated``) exceeds ``budget`` bytes."""
-        return [cell for cell in self.cells if cell.result is not None and cell.result.peak_allocated > budget]
-
-    def __str__(self) -> str:
-        lines = [f"nbmem profile: {self.path} (kernel {self.kernel})"]
-        if self.cells:
-            lines += text_table(CELL_COLUMNS, [cell.row() for cell in self.cells])
-        else:
-            lines.append("no code cell ran")
-        if self.not_run:
-            lines.append(f"not run after the failure: {_cell_list(self.not_run)}")
-        peak = self.peak_cell
-        if peak is None or peak.result is None:
-            lines.append("overall peak: no cell was measured")
-        else:
-            lines.append(
-                f"overall peak: {format_bytes(peak.result.peak_allocated)} in use"
-                f" ({peak.result.peak_allocated} bytes) at cell [{peak.number}], {peak.result.mode}"
-                f" on {peak.result.device}"
-            )
-        return "\n".join(lines)
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
-
-
-def _cell_list(numbers: Sequence[int]) -> str:
-    return ", ".join(f"[{number}]" for number in numbers)
-
-
-def _read_log(path: str) -> dict[int, MemoryResult]:
-    """The log's results by execution count; the first one wins if a count repeats."""
-    results: dict[int, MemoryResult] = {}
     try:
-        with open(path, encoding="utf-8") as log:
-            lines = log.readlines()
-    except FileNotFoundError:  # no cell was measured, so nothing was appended
-        return results
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by a kernel that died while writing it
-        count = record.get("execution_count")
-        if isinstance(count, int) and count not in results:
-            results[count] = MemoryResult.from_record(record)
-    return results
+        return metadata.version("nbmem")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        from . import __version__
 
-
-def _error_output(cell: Any) -> tuple[str, str, str] | None:
-    for output in cell.get("outputs", []):
-        if output.get("output_type") == "error":
-            traceback = _ANSI_ESCAPE.sub("", "\n".join(output.get("traceback", [])))
-            return output.get("ename", "Error"), output.get("evalue", ""), traceback
-    return None
-
-
-def _setup_problem(kernel: str, backend: str, error: Any) -> ProfileError:
-    """Turn a failed setup cell into a message that says how to fix it."""
-    ename, evalue = getattr(error, "ename", type(error).__name__), getattr(error, "evalue", str(error))
-    if ename in ("ModuleNotFoundError", "ImportError"):
-        return ProfileError(
-            f"kernel {kernel!r} can't import nbmem ({ename}: {evalue}): install nbmem into that kernel's "
-            "environment (`python -m pip install nbmem` with the kernel's python), or pick a kernel that "
-            "has it with --kernel NAME (`jupyter kernelspec list` shows them)"
-        )
-    if ename in ("UsageError", "ValueError"):
-        return ProfileError(f"--backend {backend} can't be used in kernel {kernel!r}: {evalue}")
-    return ProfileError(
-        f"could not turn on nbmem's measuring in kernel {kernel!r} ({ename}: {evalue}); "
-        "nbmem profile needs an IPython kernel (ipykernel) with nbmem installed"
-    )
-
-
-def profile_notebook(
-    path: str | os.PathLike[str],
-    *,
-    kernel: str | None = None,
-    timeout: int | None = None,
-    backend: str = "auto",
-) -> NotebookProfile:
-    """Run every code cell of the notebook at ``path`` in a fresh kernel and measure each one.
-
-    Stops at the first cell that raises, times out (``timeout`` seconds per
-    cell) or kills the kernel; the profile then names it in ``failure`` and
-    still holds every cell that ran. Relative paths in the notebook resolve
-    against its own folder. ``kernel`` defaults to the notebook's kernelspec,
-    else ``python3``. Raises :class:`ProfileError` when the notebook can't be
-    profiled at all (no such file or kernel, nbmem missing in the kernel).
-
-    Example::
-
-        profile = profile_notebook("train.ipynb", timeout=600)
-        if profile.failure:
-            print(profile.failure.traceback)
-        print(profile)
-    """
-    import nbformat
-    from jupyter_client.kernelspec import NoSuchKernel
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-
-    path = os.fspath(path)
-    if backend not in BACKEND_CHOICES:
-        raise ProfileError(f"backend {backend!r} is not known: use one of {', '.join(BACKEND_CHOICES)}")
-    if not os.path.exists(path):
-        where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()!r})"
-        raise ProfileError(f"no notebook at {path!r}{where}: check the path and the file name")
-    if os.path.isdir(path):
-        raise ProfileError(f"{path!r} is a folder: name one .ipynb file inside it")
-    try:
-        notebook = nbformat.read(path, as_version=4)
-    except Exception as error:  # nbformat raises several unrelated types for a bad file
-        raise ProfileError(
-            f"can't read {path!r} as a Jupyter notebook ({type(error).__name__}: {error}); "
-            "nbmem profile takes an .ipynb file"
-        ) from error
-    kernel_name = kernel or notebook.metadata.get("kernelspec", {}).get("name") or "python3"
-
-    # The user's code cells in order, numbered as a reader counts them.
-    numbered = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    numbers = {id(cell): number for number, cell in enumerate(numbered, start=1)}
-    for cell in numbered:
-        # Stale counts from an earlier run would map to the wrong log lines.
-        cell.execution_count = None
-
-    log_fd, log_path = tempfile.mkstemp(prefix="nbmem-profile-", suffix=".jsonl")
-    os.close(log_fd)
-    setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(log_path=log_path, backend=backend))
-    notebook.cells.insert(0, setup)
-    client = NotebookClient(
-        notebook,
-        kernel_name=kernel_name,
-        timeout=timeout,
-        resources={"metadata": {"path": os.path.dirname(os.path.abspath(path))}},
-    )
-
-    ran: list[Any] = []
-    failure: CellFailure | None = None
-    failed_cell: Any = None
-    started = False
-    try:
-        try:
-            with client.setup_kernel():
-                started = True
-                try:
-                    client.execute_cell(setup, 0, store_history=False)
-                except (CellExecutionError, CellTimeoutError, DeadKernelError) as error:
-                    raise _setup_problem(kernel_name, backend, error) from None
-                _record_language_info(client)
-                for index, cell in enumerate(notebook.cells[1:], start=1):
-                    if cell.cell_type != "code":
-                        continue
-                    number = numbers[id(cell)]
-                    try:
-                        client.execute_cell(cell, index)
-                    except CellExecutionError as error:
-                        ename, evalue, traceback = _error_output(cell) or (error.ename, error.evalue, str(error))
-                        failure = CellFailure(number, ename, evalue, traceback)
-                    except CellTimeoutError:
-                        failure = CellFailure(number, "Timeout", f"did not finish within --timeout {timeout} s")
-                        # The kernel is still busy: a graceful shutdown would only wait.
-                        client.shutdown_kernel = "immediate"
-                    except DeadKernelError:
-                        client.shutdown_kernel = "immediate"
-                        failure = CellFailure(
-                            number,
-                            "DeadKernelError",
-                            "the kernel died while running it (out of memory, or a crash in native code?)",
-                        )
-                    if failure is not None:
-                        failed_cell = cell
-                        ran.append(cell)
-                        break
-                    # nbclient skips empty cells and those tagged skip-execution.
-                    if cell.execution_count is not None:
-                        ran.append(cell)
-                if hasattr(client, "set_widgets_metadata"):
-                    client.set_widgets_metadata()
-        except NoSuchKernel:
-            raise ProfileError(f"no Jupyter kernel named {kernel_name!r}: {_known_kernels()}") from None
-        except (RuntimeError, TimeoutError, OSError) as error:
-            if started:
-                raise
-            raise ProfileError(
-                f"kernel {kernel_name!r} did not start ({type(error).__name__}: {error}); "
-                "`jupyter kernelspec list` shows the installed kernels"
-            ) from error
-        results = _read_log(log_path)
-    finally:
-        if os.path.exists(log_path):
-            os.remove(log_path)
-
-    notebook.cells.remove(setup)
-    cells = []
-    for cell in ran:
-        result = results.get(cell.execution_count) if cell.execution_count is not None else None
-        cells.append(
-            CellProfile(
-                number=numbers[id(cell)],
-                # a %%gpumem cell's result is labelled by the first line it measured
-                first_line=result.label if result is not None and result.label else first_line(cell.source),
-                execution_count=cell.execution_count,
-                result=result,
-                failed=cell is failed_cell,
-            )
-        )
-    not_run: tuple[int, ...] = ()
-    if failed_cell is not None:
-        after = numbered[numbered.index(failed_cell) + 1 :]
-        not_run = tuple(numbers[id(cell)] for cell in after if cell.source.strip())
-    return NotebookProfile(path, kernel_name, tuple(cells), failure, not_run, notebook)
-
-
-def _record_language_info(client: Any) -> None:
-    """Store the kernel's language_info in the notebook's metadata, as ``NotebookClient.execute`` does."""
-    reply = client.wait_for_reply(client.kc.kernel_info())
-    if reply is not None and "language_info" in reply["content"]:
-        client.nb.metadata["language_info"] = reply["content"]["language_info"]
-
-
-def _known_kernels() -> str:
-    try:
-        from jupyter_client.kernelspec import KernelSpecManager
-
-        names = sorted(KernelSpecManager().find_kernel_specs())
-    except Exception:  # the list is only a hint in an error message
-        names = []
-    if not names:
-        return "no kernels are installed; `python -m ipykernel install --user` installs one"
-    return f"use one of {', '.join(names)} with --kernel (`jupyter kernelspec list` shows them)"
+        return __version__
 
 
 # -- command line -------------------------------------------------------------
@@ -446,7 +123,19 @@ exit status:
   1  a cell failed (raised, timed out or killed the kernel); the table shows what ran
   2  the notebook could not be profiled (bad arguments, no such notebook or kernel)
   3  a cell's in-use peak went over --max-peak
+  130  interrupted (Ctrl-C); 143  terminated (SIGTERM): the kernel is killed either way
 """
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: like argparse's own, but reads the version only when the flag is given."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: str | None = None) -> None:
+        print(f"nbmem {version()}")
+        parser.exit(EXIT_OK)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -463,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="How much GPU memory does each notebook cell take? Run a notebook and find out.",
         epilog="Inside Jupyter, use `%load_ext nbmem` and `%%gpumem` instead. `nbmem profile --help` for details.",
     )
+    # lazy: the version is looked up only when asked for (argparse formats it then)
+    parser.add_argument("--version", action=_VersionAction, help="print nbmem's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     profile = commands.add_parser(
         "profile",
@@ -511,7 +202,8 @@ examples:
         metavar="SECONDS",
         type=_seconds,
         default=None,
-        help="fail a cell that runs longer than SECONDS (default: no limit)",
+        help="fail a notebook cell that runs longer than SECONDS (nbmem's own setup in the kernel is not "
+        "held to it; default: no limit)",
     )
     profile.add_argument(
         "--backend",
@@ -531,6 +223,39 @@ def _error(message: str) -> None:
     print(f"nbmem profile: {message}", file=sys.stderr)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that every ``finally`` runs (Python's default just dies)."""
+
+
+@contextlib.contextmanager
+def _signals_stop_the_run() -> Iterator[None]:
+    """SIGINT and SIGTERM raise a KeyboardInterrupt (:class:`_Terminated` for SIGTERM), once.
+
+    A second signal, while the first one's cleanup kills the kernel and
+    removes nbmem's temporary files, is ignored rather than cutting that
+    cleanup short; the previous handlers come back afterwards. Outside the
+    main thread (where Python allows no handlers) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop(number: int, frame: Any) -> None:
+        for each in previous:
+            signal.signal(each, signal.SIG_IGN)
+        raise _Terminated() if number == signal.SIGTERM else KeyboardInterrupt()
+
+    for number in previous:
+        signal.signal(number, stop)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            # None: a handler not installed from Python; the default is the closest
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``nbmem`` command line and return its exit status (see the module docstring)."""
     parser = build_parser()
@@ -544,7 +269,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Checked before the run, not after minutes of it.
             _error(f"error: can't write --output {args.output!r}: the folder {folder!r} does not exist")
             return EXIT_USAGE
+    with _signals_stop_the_run():
+        try:
+            return _profile(args)
+        except KeyboardInterrupt as stop:
+            # one line, not asyncio's traceback: the user stopped it, and knows why
+            cause = stop.cause if isinstance(stop, Interrupted) else stop
+            terminated = isinstance(cause, _Terminated)
+            where = f": {stop}; the kernel was killed" if isinstance(stop, Interrupted) else ""
+            _error(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}{where}")
+            return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
 
+
+def _profile(args: argparse.Namespace) -> int:
+    """Profile, print the table and the verdict; the exit status."""
     try:
         profile = profile_notebook(args.notebook, kernel=args.kernel, timeout=args.timeout, backend=args.backend)
     except ProfileError as error:

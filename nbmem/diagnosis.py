@@ -248,7 +248,8 @@ def _names(tracker: Tracker, namespace: dict[str, Any]) -> dict[int, str]:
             key = tracker.storage_key(tensor)
             if key is not None:
                 names.setdefault(key, name)
-            if tensor.grad is not None:
+            # .grad of a non-leaf tensor warns (and is None) unless retain_grad() was called: don't ask
+            if (tensor.is_leaf or tensor.retains_grad) and tensor.grad is not None:
                 add(f"{name}.grad", tensor.grad)
 
     for variable, value in namespace.items():

@@ -8,9 +8,13 @@ through a file. The guarantees:
 
 - a rank that fails ends the whole launch: the others are killed, and the
   error raised in the caller carries that rank's traceback;
+- the error names the rank that failed first: a rank that dies without a
+  Python error (``os._exit``, SIGKILL, a segfault) is named with its exit
+  code or signal, not the healthy peer that then lost its connection;
 - no rank outlives the launch: every process is killed and reaped on error,
-  on timeout, and on KeyboardInterrupt; each rank also asks the kernel to
-  kill it if its parent dies (Linux ``PR_SET_PDEATHSIG``);
+  on timeout, on KeyboardInterrupt and on SIGTERM (which then ends the
+  process as before, the launch folder removed); each rank also asks the
+  kernel to kill it if its parent dies (Linux ``PR_SET_PDEATHSIG``);
 - a rank's prints go to a log file, never to the notebook's (forked) output
   machinery; the last lines of a failing rank's log come with its error.
 """
@@ -18,15 +22,17 @@ through a file. The guarantees:
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import multiprocessing
 import os
 import pickle
 import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -38,13 +44,19 @@ __all__ = ["launch", "Launch", "run_ranks", "RankError"]
 
 
 class RankError(RuntimeError):
-    """A rank of a launch failed; the message has its traceback."""
+    """A rank of a launch failed; the message has its traceback, or how it died.
 
-    def __init__(self, rank: int, message: str) -> None:
+    ``exitcode`` is the rank's, as :mod:`multiprocessing` gives it: negative
+    for a signal (-9 SIGKILL, -11 SIGSEGV), None if it had not ended yet.
+    """
+
+    def __init__(self, rank: int, message: str, exitcode: int | None = None, *, reported: bool = True) -> None:
         super().__init__(message)
         self.rank = rank
-        last = message.rstrip().splitlines()[-1] if message.strip() else ""
-        #: The failing rank's exception type, as its traceback names it ("torch.OutOfMemoryError").
+        self.exitcode = exitcode
+        last = message.rstrip().splitlines()[-1] if message.strip() and reported else ""
+        #: The failing rank's exception type, as its traceback names it ("torch.OutOfMemoryError");
+        #: empty for a rank that died without reporting one (its message ends with its log, not a traceback).
         self.kind = last.split(":", 1)[0] if ":" in last else ""
 
 
@@ -59,7 +71,7 @@ def run_ranks(
     that fails, TimeoutError after ``timeout`` seconds.
     """
     context = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="nbmem-launch-") as folder:
+    with _cleanup_before_sigterm(), tempfile.TemporaryDirectory(prefix="nbmem-launch-") as folder:
         processes = [
             context.Process(target=_rank_main, args=(target, rank, world_size, backend, folder), daemon=True)
             for rank in range(world_size)
@@ -73,15 +85,55 @@ def run_ranks(
             _stop(processes)
 
 
+class _Terminated(BaseException):
+    """SIGTERM during a launch, raised so that its cleanup runs; the signal is then sent again."""
+
+
+@contextlib.contextmanager
+def _cleanup_before_sigterm() -> Iterator[None]:
+    """SIGTERM stops the launch as it stops the process, but only after the ranks and the launch folder are gone.
+
+    Python's default for SIGTERM ends the process at once: no ``finally``
+    runs, and the launch folder stayed in /tmp. Here the signal raises inside
+    the launch; once its cleanup has run, the previous handler is restored and
+    the signal sent again, so the process ends (or its own handler runs) as it
+    would have. Only in the main thread (Python allows handlers nowhere else),
+    and not where SIGTERM is ignored.
+    """
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or previous is signal.SIG_IGN:
+        yield
+        return
+
+    def terminate(number: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except _Terminated:
+        pass  # cleaned up on the way here; now let the signal do what it does
+    else:
+        return
+    finally:
+        # None: a handler set outside Python; the default is the closest
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise RuntimeError("the launch was stopped by SIGTERM")  # reached only if a handler let the process go on
+
+
+#: Seconds to wait, after a rank reported an error, for a rank that died without one (see _first_failure).
+_SILENT_DEATH_GRACE = 3.0
+
+
 def _wait(processes: list[Any], folder: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if any(p.exitcode not in (None, 0) for p in processes):
-            # the first rank to fail, which may still be leaving the group when a peer it broke has exited
-            failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0)
-                      or os.path.exists(os.path.join(folder, f"rank{rank}.error"))]
-            rank = min(failed, key=lambda rank: (_finished_at(folder, rank), rank))
-            raise RankError(rank, _failure(folder, rank, processes[rank].exitcode, len(processes)))
+            rank = _first_failure(processes, folder)
+            code = processes[rank].exitcode
+            raise RankError(rank, _failure(folder, rank, code, len(processes)), code, reported=_reported(folder, rank))
         if all(p.exitcode == 0 for p in processes):
             return
         if time.monotonic() > deadline:
@@ -91,6 +143,33 @@ def _wait(processes: list[Any], folder: str, timeout: float) -> None:
                 f"Pass a larger timeout= if the step is slow.{_log_tail(folder, running[0])}"
             )
         processes[0].join(0.05)
+
+
+def _reported(folder: str, rank: int) -> bool:
+    return os.path.exists(os.path.join(folder, f"rank{rank}.error"))
+
+
+def _first_failure(processes: list[Any], folder: str) -> int:
+    """The rank whose failure caused the others'.
+
+    A rank that died without reporting an error (``os._exit``, SIGKILL from
+    the kernel's out-of-memory killer, a segfault) is the cause when there is
+    one: its peers fail *because* it vanished, with gloo's "Connection reset
+    by peer", and report that. It may still be dying (a crash takes a moment)
+    when a peer's report arrives, so the others get a moment to end too.
+    Otherwise the first rank to report, which may still be leaving the group
+    when a peer it broke has exited.
+    """
+    grace = time.monotonic() + _SILENT_DEATH_GRACE
+    while True:
+        silent = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0) and not _reported(folder, rank)]
+        if silent:
+            return silent[0]
+        if all(p.exitcode is not None for p in processes) or time.monotonic() > grace:
+            break
+        next(p for p in processes if p.exitcode is None).join(0.02)
+    failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0) or _reported(folder, rank)]
+    return min(failed, key=lambda rank: (_finished_at(folder, rank), rank))
 
 
 def _finished_at(folder: str, rank: int) -> float:
@@ -112,9 +191,33 @@ def _failure(folder: str, rank: int, code: int | None, world_size: int) -> str:
             file.readline()  # when it failed
             text = file.read().rstrip()
     except OSError:
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        text = f"it ended with {how} before reporting an error{_log_tail(folder, rank)}"
+        text = f"it {_how_it_ended(code)} before reporting an error{_log_tail(folder, rank)}"
     return f"rank {rank} of {world_size} failed, so the launch was stopped and every rank killed:\n{text}"
+
+
+def _how_it_ended(code: int | None) -> str:
+    """A rank's exit code in words.
+
+    >>> _how_it_ended(-9)
+    "was killed by SIGKILL (signal 9; the kernel's out-of-memory killer sends it: `dmesg` says whether it did)"
+    >>> _how_it_ended(-11)
+    'was killed by SIGSEGV (signal 11: a segmentation fault, a crash in native code)'
+    >>> _how_it_ended(3)
+    'ended with exit code 3 (os._exit, or native code ending the process)'
+    """
+    if code is None or code >= 0:
+        return f"ended with exit code {code} (os._exit, or native code ending the process)"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = {
+        "SIGKILL": "; the kernel's out-of-memory killer sends it: `dmesg` says whether it did",
+        "SIGSEGV": ": a segmentation fault, a crash in native code",
+        "SIGABRT": ": an abort, e.g. a failed check in native code",
+        "SIGBUS": ": a bus error, a crash in native code",
+    }.get(name, "")
+    return f"was killed by {name} (signal {-code}{why})"
 
 
 def _log_tail(folder: str, rank: int, lines: int = 20) -> str:
@@ -146,12 +249,17 @@ def _rank_main(target: Callable[[int, int], Any], rank: int, world_size: int, ba
     code = 1
     try:
         _die_with_parent()
+        # the parent's SIGTERM handler (see _cleanup_before_sigterm) came with the fork; a rank dies of SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         log = open(os.path.join(folder, f"rank{rank}.log"), "w", buffering=1)
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         import sys
 
         sys.stdout = sys.stderr = log  # not the notebook's output streams, which the fork copied
+        # a crash in native code (SIGSEGV, SIGABRT) writes the Python stack to the log, so the error
+        # shows where it happened; a handler inherited from the parent would write to the parent's stderr
+        faulthandler.enable(file=log)
         import torch.distributed as dist
 
         dist.init_process_group(

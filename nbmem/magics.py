@@ -7,19 +7,24 @@ and to the session's history.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
+import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from IPython.core.displayhook import DisplayHook
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic import Magics, line_cell_magic, magics_class, output_can_be_silenced
+from IPython.core.magic_arguments import argument, magic_arguments
 
 from . import display
 from .diagnosis import diagnose, is_out_of_memory
 from .results import History, MemoryResult, first_line
 from .scope import BACKENDS, Backend, MemoryScope, resolve_backend
+from .tracking import default_tracker
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
 
@@ -54,6 +59,45 @@ class _Session:
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as log:
                 log.write(json.dumps(History([result]).to_records()[0]) + "\n")
+
+
+def _unsilenced(line: str) -> str:
+    """The line form's options without a trailing ``;`` (which silences the output, not an option)."""
+    stripped = line.rstrip()
+    return stripped[:-1] if stripped.endswith(";") else line
+
+
+def _parse_options(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
+    """The magic's options, read as a shell reads words; a UsageError saying how to fix a bad line.
+
+    IPython's own splitting keeps quotes inside the words (``'16 GiB'`` with
+    its quotes, which no option reads) and lets ``shlex`` raise a bare
+    ValueError on an unclosed quote; argparse takes a value starting with
+    ``-`` (``--capacity -5GB``) for an option and says "expected one
+    argument". Here quotes group words, and a value that looks like a
+    negative number is kept with its option, to be refused for what it is.
+    """
+    try:
+        words = shlex.split(line)
+    except ValueError as error:  # "No closing quotation", "No escaped character"
+        raise UsageError(
+            f"can't read the options {line.strip()!r} ({error}): close the quote, e.g. --capacity '16 GiB'"
+        ) from None
+    # argparse has no public list of the options that take a value
+    takes_value = {
+        option for action in parser._actions if action.option_strings and action.nargs is None
+        for option in action.option_strings
+    }
+    joined: list[str] = []
+    for word in words:
+        if joined and joined[-1] in takes_value and _NEGATIVE.match(word):
+            joined[-1] = f"{joined[-1]}={word}"
+        else:
+            joined.append(word)
+    return parser.parse_args(joined)
+
+
+_NEGATIVE = re.compile(r"-\.?[0-9]")
 
 
 def _is_nbmem_cell(source: str) -> bool:
@@ -96,6 +140,7 @@ class GpuMemMagics(Magics):
         default="auto",
         help="auto (CUDA statistics when there is a GPU, else tracked), cuda, or tracked (count tensors, any device)",
     )
+    @output_can_be_silenced  # a trailing `;` hides the cell's value, as in any IPython cell
     @line_cell_magic
     def gpumem(self, line: str = "", cell: str | None = None) -> Any:
         """Measure the GPU memory a cell uses: peak, retained, reserved, time, share of the device.
@@ -119,7 +164,10 @@ class GpuMemMagics(Magics):
         to the history); ``--text`` prints plain text instead of the widget.
         ``--device`` picks the device (``cuda:N``, ``cuda`` or ``cpu``;
         default: the current CUDA device, else the CPU) and ``--backend`` how
-        to count (``auto``, ``cuda`` or ``tracked``).
+        to count (``auto``, ``cuda`` or ``tracked``). Options are read as a
+        shell reads words: quote a value with a space (``--capacity '16 GiB'``).
+        A ``;`` ending the cell's last line hides its value, as IPython does
+        (with ``-o``, the result too; the report then still shows).
 
         With a CUDA device the figures are *measured* by PyTorch's caching
         allocator. Without one (or with ``--backend tracked``) the cell still
@@ -161,7 +209,7 @@ class GpuMemMagics(Magics):
           %gpumem free
         """
         __tracebackhide__ = True
-        args = parse_argstring(self.gpumem, line)
+        args = _parse_options(self.gpumem.parser, line if cell is not None else _unsilenced(line))
         if args.backend not in BACKENDS:
             raise UsageError(f"--backend {args.backend!r} is not known: use one of {', '.join(BACKENDS)}")
         try:
@@ -220,18 +268,29 @@ class GpuMemMagics(Magics):
             self._report(scope.stop(error), args, scope, error)
             raise
         result = scope.stop()
-        self._report(result, args)
+        # IPython drops what the magic returns after a trailing `;` (output_can_be_silenced): with -o
+        # the report is then the only sign of the result, so it shows
+        silenced = DisplayHook.semicolon_at_end_of_expression(cell)
+        self._report(result, args, shown_as_out=args.output and not silenced)
         if args.output:
             # The result is the cell's Out and displays there; the cell's own
             # last value is shown above it instead.
-            if value is not None:
+            if value is not None and not silenced:
                 display.show_value(value)
             return result
         return value
 
-    def _report(self, result: MemoryResult, args: Any, scope: MemoryScope | None = None, error: BaseException | None = None) -> None:
+    def _report(
+        self,
+        result: MemoryResult,
+        args: Any,
+        scope: MemoryScope | None = None,
+        error: BaseException | None = None,
+        *,
+        shown_as_out: bool = False,
+    ) -> None:
         self.session.record(result)
-        if not (args.quiet or (args.output and not result.failed)):
+        if not (args.quiet or shown_as_out):
             display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell)
         if not args.quiet and result.timeline is not None:
             display.show_timeline(result.timeline)
@@ -390,7 +449,12 @@ def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str
     under ``%gpumem on`` is measured as that asks). Raises ValueError for a
     backend or device that can't be used here.
     """
-    resolve_backend(backend, device)
+    mode, resolved = resolve_backend(backend, device)
+    if mode == "tracked":
+        # The first tracker costs seconds (PyTorch imports torch._dynamo on the
+        # first dispatch-mode call, see Tracker.__init__): paid here, in
+        # `nbmem profile`'s setup, not in the notebook's first cell and its --timeout.
+        default_tracker(resolved)
     load(shell)
     session = _session(shell)
     session.log_path = path

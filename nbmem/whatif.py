@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import html
 import itertools
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -343,6 +344,19 @@ class BatchSizeResult:
         return len(self.trials)
 
     @property
+    def limit_reached(self) -> bool:
+        """True when the search stopped at ``limit`` with it still fitting: a lower bound, not a boundary."""
+        return self.batch_size == self.limit
+
+    @property
+    def answer(self) -> str:
+        """The size in words: the boundary found, or the search limit it stopped at (never passed off as one)."""
+        if self.limit_reached:
+            return (f"at least {self.batch_size} (reached the search limit {self.limit}; the true maximum may be "
+                    f"larger: search again with a larger limit=)")
+        return str(self.batch_size)
+
+    @property
     def effective_batch(self) -> int:
         return self.batch_size * self.accumulation
 
@@ -365,7 +379,7 @@ class BatchSizeResult:
             else ""
         )
         return (
-            f"gpumem max_batch_size on {self.capacity_label or format_bytes(self.capacity)}: {self.batch_size}{per_step}"
+            f"gpumem max_batch_size on {self.capacity_label or format_bytes(self.capacity)}: {self.answer}{per_step}"
             f"{scale}"
             f" (predicted {self.predicted} from {self.estimates} estimates; verified with {self.real_trials} real"
             f" {self.mode} trials: {tried})\n"
@@ -451,6 +465,10 @@ def max_batch_size(
     ``world_size`` ranks on this machine, the largest rank counting; real
     launches are limited to :data:`MAX_LAUNCH_RANKS` ranks.
 
+    ``limit`` (a whole number, at least 1) caps the search. When ``limit``
+    itself fits, the result's ``limit_reached`` is True and its text says
+    the true maximum may be larger: ``batch_size`` is then a lower bound.
+
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
     >>> found = max_batch_size(build, make, device="8MiB", optimizer="sgd")
@@ -460,6 +478,13 @@ def max_batch_size(
     """
     from .devices import parse_capacity
 
+    # a bool is an integer to Python, and limit=True would search 1..1; numpy's integers are welcome
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
+        raise ValueError(
+            f"limit={limit!r} can't cap a batch-size search: pass a whole number of samples, at least 1 "
+            "(the default is 65536)"
+        )
+    limit = int(limit)
     if verify == "auto":
         verify = real_mode()
     if verify not in ("tracked", "measured"):

@@ -10,13 +10,16 @@ things where one run can show them.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import nbformat
 import pytest
 
+from _processes import gone
 from nbmem import cli
 
 pytestmark = pytest.mark.slow
@@ -153,6 +156,58 @@ def test_timeout_fails_the_cell_and_lists_what_ran(tmp_path, capsys):
     assert "cell [2] failed: Timeout: did not finish within --timeout 2 s" in err
 
 
+def test_timeout_is_for_the_notebooks_cells_not_nbmems_setup(tmp_path, capsys):
+    # nbmem's setup cell imports nbmem and torch in the fresh kernel (seconds):
+    # with --timeout 1 applied to it, the run exited 2 and blamed the install
+    notebook = write_notebook(tmp_path / "fast.ipynb", "x = 1")
+
+    status = cli.main(["profile", str(notebook), "--timeout", "1"])
+
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_OK, out + err
+    assert "x = 1" in table_row(out, 1) and "installed" not in err
+
+
+@pytest.mark.parametrize(
+    "signal_number, status, says",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated (SIGTERM)")],
+)
+def test_a_signal_stops_the_run_in_one_line_kills_the_kernel_and_cleans_up(tmp_path, signal_number, status, says):
+    pid_file = tmp_path / "kernel.pid"
+    notebook = write_notebook(
+        tmp_path / "long.ipynb",
+        "x = 1",
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(300)",
+    )
+    temporary = tmp_path / "tmp"  # nbmem's log goes to TMPDIR: this one is the test's own
+    temporary.mkdir()
+    run = subprocess.Popen(
+        [sys.executable, "-m", "nbmem.cli", "profile", str(notebook)],
+        env={**os.environ, "TMPDIR": str(temporary)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(1200):  # the kernel starts and reaches cell [2] (a wait, not a timing assertion)
+            if pid_file.exists() and pid_file.read_text() or run.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert run.poll() is None and list(temporary.glob("nbmem-profile-*.jsonl")), "cell [2] never started"
+        run.send_signal(signal_number)
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+    assert run.returncode == status, out + err
+    lines = [line for line in err.splitlines() if line.startswith("nbmem profile:")]
+    assert lines == [f"nbmem profile: {says}: cell [2] was running (first line: import os, time); the kernel was killed"]
+    assert "Traceback" not in err
+    assert not list(temporary.glob("nbmem-profile-*"))  # the log is removed
+    assert gone(int(pid_file.read_text()))
+
+
 def test_console_script_runs_as_a_module(tmp_path):
     notebook = write_notebook(tmp_path / "ok.ipynb", "import torch", "a = torch.zeros(1024, 1024)")
 
@@ -239,6 +294,29 @@ def test_help_explains_the_command(capsys):
     for phrase in ("--max-peak SIZE", "--output FILE", "--kernel NAME", "--timeout SECONDS", "{auto,cuda,tracked}"):
         assert phrase in text
     assert "exit status" in text and "3  a cell's in-use peak went over --max-peak" in text
+
+
+def test_version_prints_the_package_version(capsys):
+    import nbmem
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == cli.EXIT_OK
+    assert capsys.readouterr().out == f"nbmem {nbmem.__version__}\n"
+    # the version nbmem says is the one the package is built with
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert f'version = "{nbmem.__version__}"' in pyproject
+    # and asking for it stays light: no torch, no Jupyter stack
+    code = (
+        "import sys, nbmem\n"
+        "assert nbmem.__version__\n"
+        "try:\n    __import__('nbmem.cli').cli.main(['--version'])\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted({'torch', 'nbclient', 'nbformat', 'IPython'} & set(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"nbmem {nbmem.__version__}", "[]"]
 
 
 def test_backend_choices_match_the_scope():

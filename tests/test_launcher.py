@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from _processes import gone
 from nbmem.launcher import RankError, run_ranks
 
 
@@ -70,3 +75,67 @@ def test_timeout_kills_every_rank(tmp_path):
         run_ranks(target, 2, timeout=3)
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
     assert not any(_alive(pid) for pid in pids)
+
+
+def _die(how: str) -> None:
+    if how == "exit":
+        os._exit(3)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)  # what the kernel's out-of-memory killer sends
+    ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+@pytest.mark.parametrize(
+    "how, exitcode, says",
+    [
+        ("exit", 3, "it ended with exit code 3"),
+        ("sigkill", -signal.SIGKILL, "it was killed by SIGKILL"),
+        ("segfault", -signal.SIGSEGV, "it was killed by SIGSEGV"),
+    ],
+)
+def test_a_rank_that_dies_hard_is_named_not_the_healthy_peer_that_lost_it(how, exitcode, says):
+    def target(rank, world_size):
+        if rank == 1:
+            _die(how)
+        # rank 0 waits for rank 1 in a collective and fails with gloo's "Connection reset/closed by peer"
+        dist.all_reduce(torch.ones(1))
+        time.sleep(120)
+
+    with pytest.raises(RankError) as raised:
+        run_ranks(target, 2, timeout=100)
+    message = str(raised.value)
+    assert raised.value.rank == 1 and raised.value.exitcode == exitcode
+    assert raised.value.kind == ""  # no exception type: not read off the last line of its log
+    assert message.startswith("rank 1 of 2 failed") and says in message
+    assert "rank 0" not in message and "by peer" not in message  # nothing of the healthy rank's error
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_parent_removes_the_launch_folder_and_every_rank(tmp_path):
+    temporary = tmp_path / "tmp"  # the launch folder goes to TMPDIR: this one is the test's own
+    temporary.mkdir()
+    script = (
+        "import os, time\n"
+        "from nbmem.launcher import run_ranks\n"
+        "def target(rank, world_size):\n"
+        f"    open(os.path.join({str(tmp_path)!r}, f'pid{{rank}}'), 'w').write(str(os.getpid()))\n"
+        "    time.sleep(300)\n"
+        "run_ranks(target, 2, timeout=600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(temporary)})
+    try:
+        for _ in range(1200):  # both ranks started (a wait, not a timing assertion)
+            if all((tmp_path / f"pid{rank}").exists() for rank in range(2)) or parent.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert parent.poll() is None and list(temporary.glob("nbmem-launch-*")), "the launch never started"
+        time.sleep(0.2)  # both pid files written in full
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert parent.returncode == -signal.SIGTERM  # it still dies of the signal, as without nbmem
+    assert not list(temporary.glob("nbmem-launch-*"))
+    assert all(gone(int((tmp_path / f"pid{rank}").read_text())) for rank in range(2))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -241,3 +242,45 @@ def test_profile_log_keeps_its_backend_whatever_the_notebook_turns_off(shell, tm
     from nbmem.magics import _session
 
     _session(shell).log_path = None
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        # argparse took -5GB for an option: "expected one argument"
+        ("%%gpumem --capacity -5GB\n1", "can't read '-5GB' as a capacity"),
+        ("%gpumem on --capacity -5GB", "can't read '-5GB' as a capacity"),
+        # shlex's bare ValueError("No closing quotation")
+        ("%%gpumem --capacity '16 GiB\n1", "No closing quotation): close the quote, e.g. --capacity '16 GiB'"),
+    ],
+)
+def test_option_values_are_read_as_a_shell_reads_them(shell, line, message):
+    result, captured = run(shell, line)
+    output = captured.stderr + captured.stdout
+    assert isinstance(result.error_before_exec or result.error_in_exec, UsageError), output
+    assert message in output and "expected one argument" not in output
+
+
+def test_a_size_with_a_space_can_be_quoted(shell):
+    # '16 GiB' is the form nbmem's own capacity error suggests ('512 MiB'); 1 KiB = 1024 bytes
+    result, captured = run(shell, "%%gpumem -o --capacity '1 KiB'\nimport torch\nsmall = torch.zeros(256)")
+    assert result.success, captured.stderr
+    assert result.result.capacity == 1024 and result.result.peak == 256 * 4  # 1024 bytes: exactly the capacity
+    result, captured = run(shell, '%%gpumem -q --capacity "1 KiB"\nbig = torch.zeros(257)')  # 1028 > 1024 bytes
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+
+
+def test_a_trailing_semicolon_hides_the_cells_value_as_ipython_does(shell):
+    result, captured = run(shell, "%%gpumem --text\n40 + 2;")
+    assert result.success and result.result is None  # nothing for Out
+    shown = texts(captured)
+    assert len(shown) == 1 and shown[0].startswith("gpumem 40 + 2;: tracked")  # the report alone
+    assert "42" not in captured.stdout
+    result, captured = run(shell, "%%gpumem --text\n40 + 2")
+    assert result.result == 42  # without the `;`, the value is the cell's Out
+    # with -o the result would have been Out; silenced, the report shows instead, and the value does not
+    result, captured = run(shell, "%%gpumem -o --text\n40 + 2;")
+    assert result.result is None
+    assert [text.split(":")[0] for text in texts(captured)] == ["gpumem 40 + 2;"]
+    result, captured = run(shell, "%gpumem history -o;")
+    assert result.success and result.result is None

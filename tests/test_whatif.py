@@ -130,3 +130,19 @@ def test_plots_display_without_pyplot_registered():
     assert figure._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
     labels = [label.get_text() for label in table.plot("breakdown").axes[0].get_xticklabels()]
     assert labels == ["batch_size=8", "batch_size=16"]
+
+
+def test_max_batch_size_says_when_it_stopped_at_the_search_limit():
+    # 3 samples of this model fit 8 MiB with room to spare (the boundary is far above), so the search stops at 3
+    found = nbmem.max_batch_size(classify_build, classify_make, device="8MiB", limit=3)
+    assert found.batch_size == 3 and found.limit_reached
+    assert dict(found.trials)[3] is not None  # the limit itself ran; nothing above it was tried
+    assert "at least 3 (reached the search limit 3; the true maximum may be larger" in str(found)
+    boundary = nbmem.max_batch_size(classify_build, classify_make, device="64KiB", limit=3)
+    assert boundary.batch_size == 0 and not boundary.limit_reached and "search limit" not in str(boundary)
+
+
+@pytest.mark.parametrize("limit", [-5, 0, 2.5, True])
+def test_max_batch_size_rejects_a_limit_that_is_not_a_positive_whole_number(limit):
+    with pytest.raises(ValueError, match=r"limit=.* pass a whole number of samples, at least 1"):
+        nbmem.max_batch_size(classify_build, classify_make, device="8MiB", limit=limit)

@@ -103,3 +103,23 @@ def test_output_flag_keeps_the_breakdown_in_out(shell):
     assert "optimizer state" in shown and "by module" in shown
     assert "nbmem-breakdown" in result.result._repr_html_()
     assert "by module" not in str(nbmem.history(shell)[-1].__class__(**{**result.result.__dict__, "show_breakdown": False}))
+
+
+def test_the_diagnosis_names_tensors_without_warning_about_non_leaf_grads(shell):
+    import warnings
+
+    run(shell, SETUP)
+    # hidden is a non-leaf tensor (the output of a Linear) in the user's namespace, and kept.grad a retained one
+    cell = (
+        "%%gpumem --text --capacity 100MiB\n"
+        "hidden = model[0](torch.randn(8, 1024))\n"
+        "kept = model[0](torch.randn(8, 1024)); kept.retain_grad(); kept.sum().backward()\n"
+        "train(4096)"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, captured = run(shell, cell)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    assert [str(warning.message) for warning in caught] == []  # PyTorch's ".grad of a non-leaf tensor" warning
+    assert "UserWarning" not in captured.stderr
+    assert "gpumem out-of-memory diagnosis" in plain(captured) and "model.0.weight" in plain(captured)
