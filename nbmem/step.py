@@ -1,11 +1,18 @@
 """The training step nbmem runs when the user gives none: forward, loss, backward, step, zero_grad.
 
-What it holds, in order, for each of ``accumulation`` micro-batches: the
-batch, the model's output and the loss until ``backward()`` returns; then
-they are dropped (the output is not kept through the optimizer step). After
-the last micro-batch: ``optimizer.step()`` (with fp16, the GradScaler's
-unscale/step/update), then ``zero_grad(set_to_none=True)``, so gradients do
-not live between steps.
+What it holds, in order, for each of ``accumulation`` micro-batches: it asks
+the batch factory for a batch, runs forward and the loss (inside
+``torch.autocast`` for ``"bf16"``/``"fp16"``: forward and loss only, as
+PyTorch's AMP recipe writes it), and holds the batch, the model's output and
+the loss until ``backward()`` returns; then they are dropped (the output is
+not kept through the optimizer step). Gradients accumulate across the
+micro-batches. After the last one: ``optimizer.step()`` (with fp16, the
+GradScaler's unscale/step/update), then ``zero_grad(set_to_none=True)``, so
+gradients do not live between steps.
+
+A user's loop that differs (holds the output longer, clips, keeps an EMA,
+zeroes elsewhere) moves the peak: ``nbmem.estimate(..., step=train_step)``
+runs the user's own step instead (:mod:`nbmem.userstep`).
 """
 
 from __future__ import annotations

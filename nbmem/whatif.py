@@ -19,6 +19,7 @@ import torch
 from .estimation import Estimate, _run_device, estimate
 from .launcher import RankError, launch
 from .parallel import check_parallel
+from .userstep import check_step
 from .results import CATEGORIES, text_table
 from .units import format_bytes
 
@@ -221,6 +222,7 @@ def sweep(
     device: int | str | None = None,
     loss: Any = None,
     foreach: bool | None = None,
+    step: Any = None,
 ) -> Comparison:
     """Run every combination of the knobs and compare their peaks.
 
@@ -237,6 +239,11 @@ def sweep(
     size per GPU (``"single"`` is only combined with a world size of 1).
     Estimated, any world size; tracked or measured, each configuration is a
     real :func:`nbmem.launch` of that many ranks, its largest rank shown.
+
+    ``step`` is your own training step, ``step(model, batch, optimizer)``, run
+    in every configuration instead of nbmem's built-in one (see
+    :func:`nbmem.estimate`); its loop shape is its own, so ``accumulation``
+    stays 1.
 
     Every configuration is isolated: a fresh model and optimizer, all freed
     (``gc.collect()``) before the next; a measured sweep also returns the
@@ -268,6 +275,10 @@ def sweep(
             )
     for name in grid["parallel"]:
         check_parallel(name, 1 if name == "single" else 2)
+    for steps, chosen, strategy, kind in itertools.product(
+        grid["accumulation"], grid["optimizer"], grid["parallel"], grid["precision"]
+    ):
+        check_step(step, accumulation=steps, loss=loss, optimizer=chosen, parallel=strategy, precision=kind)
     capacity = label = None
     if device is not None:
         from .devices import parse_capacity
@@ -280,7 +291,7 @@ def sweep(
         if options["parallel"] == "single" and options["world_size"] != 1:
             continue  # one device has no world size to vary
         try:
-            rows.append(SweepRow(config, run_configuration(model, batch, mode, dict(loss=loss, foreach=foreach, device=device,
+            rows.append(SweepRow(config, run_configuration(model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
                                                                        **_enforced(mode, capacity), **options))))
         except torch.OutOfMemoryError:
             rows.append(SweepRow(config, None, "OOM"))
@@ -429,6 +440,7 @@ def max_batch_size(
     verify: str = "auto",
     parallel: str = "single",
     world_size: int = 1,
+    step: Any = None,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
 
@@ -450,6 +462,10 @@ def max_batch_size(
     estimates of rank 0, verified by real launches (:func:`nbmem.launch`) of
     ``world_size`` ranks on this machine, the largest rank counting; real
     launches are limited to :data:`MAX_LAUNCH_RANKS` ranks.
+
+    ``step`` is your own training step, ``step(model, batch, optimizer)``
+    (see :func:`nbmem.estimate`): the size is then the largest batch your
+    step fits, estimated and verified with that step.
 
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
@@ -473,8 +489,9 @@ def max_batch_size(
             f"nbmem.sweep(..., batch_size=[...], parallel={parallel!r}, world_size={world_size})"
         )
     capacity, label = parse_capacity(device)
+    check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
     options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
-                   accumulation=accumulation, parallel=parallel, world_size=world_size)
+                   accumulation=accumulation, parallel=parallel, world_size=world_size, step=step)
     estimates = 0
 
     def estimated(size: int) -> Estimate:
