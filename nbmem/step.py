@@ -86,11 +86,16 @@ def moved_to(value: Any, device: torch.device) -> Any:
 
 
 def _each_tensor(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor in it cast, through dicts, lists and (named) tuples; anything else as it is
+    (a user's step may get strings or numbers in its batch beside the tensors)."""
     if isinstance(value, torch.Tensor):
         return cast(value)
     if isinstance(value, dict):
-        return {key: cast(item) for key, item in value.items()}
-    return type(value)(cast(item) for item in value)
+        return {key: _each_tensor(item, cast) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        items = [_each_tensor(item, cast) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def _forward(model: nn.Module, inputs: Any) -> Any:

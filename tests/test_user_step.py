@@ -235,6 +235,42 @@ def test_the_steps_own_errors_and_interrupts_pass_unchanged_and_leave_nothing_on
     assert torch._C._len_torch_function_stack() == 0  # the deepcopy mode is gone
 
 
+def test_the_batch_is_handed_over_as_the_factory_made_it():
+    from collections import namedtuple
+
+    Batch = namedtuple("Batch", "inputs targets names")
+    seen = []
+
+    def step(model, batch, optimizer):
+        seen.append((type(batch).__name__, batch.inputs.dtype, batch.targets.dtype, batch.names))
+        model(batch.inputs).float().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def named(n):
+        return Batch(torch.randn(n, 64), torch.randint(0, CLASSES, (n,)), ["a"] * n)
+
+    estimate(build, named, batch_size=2, step=step, precision="bf16-weights", optimizer="sgd")
+    # floats cast for "-weights", integers and strings as they were
+    assert seen == [("Batch", torch.bfloat16, torch.int64, ["a", "a"])] * 2
+
+
+def test_in_a_notebook_the_error_names_the_cells_line(shell):
+    shell.run_cell(
+        "import torch, nbmem\n"
+        "def cell_step(model, batch, optimizer):\n"
+        "    loss = model(batch[0]).mean()\n"
+        "    if loss > 0:\n"
+        "        loss.backward()\n"
+        "try:\n"
+        "    nbmem.estimate(lambda: torch.nn.Linear(4, 2), lambda n: (torch.randn(n, 4),), batch_size=2, step=cell_step)\n"
+        "except ValueError as error:\n"
+        "    message = str(error)\n"
+    )
+    assert "your step cell_step read a tensor's value at " in shell.user_ns["message"]
+    assert ":4 (`if loss > 0:`)" in shell.user_ns["message"]
+
+
 @pytest.mark.parametrize("arguments, message", [
     ({"step": "train_step"}, "step must be your training step, a function step"),
     ({"step": lambda model, batch: None}, r"must accept three positional arguments, \(model, batch, optimizer\)"),
