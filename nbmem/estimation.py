@@ -43,6 +43,7 @@ from .userstep import (
     AlwaysSteppingScaler,
     check_step,
     fake_error_message,
+    real_tensor_message,
     run_user_step,
     step_name,
     user_step_notes,
@@ -351,6 +352,11 @@ def estimate(
             "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
             "%%gpumem --backend tracked"
         ) from error
+    except AssertionError as error:  # FakeTensorMode refuses a real tensor with an assertion
+        message = real_tensor_message(error)
+        if message is None:
+            raise
+        raise ValueError(message) from error
     if precision in ("bf16", "fp16") and mode != "measured":
         notes.append(
             "autocast follows PyTorch's CPU op lists here; CUDA's lists differ for some ops "

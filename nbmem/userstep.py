@@ -61,7 +61,7 @@ from .building import _FakeDeepcopy, default_device
 from .step import cast_floats, moved_to
 
 __all__ = ["estimating", "check_step", "run_user_step", "step_name", "user_step_notes", "AlwaysSteppingScaler",
-           "fake_error_message", "BUILT_IN"]
+           "fake_error_message", "real_tensor_message", "BUILT_IN"]
 
 #: How an estimate names nbmem's built-in step (nbmem.step.run_step) and what it holds.
 BUILT_IN = (
@@ -245,6 +245,24 @@ def fake_error_message(error: BaseException, step: Callable[..., Any]) -> str:
         f"({type(error).__name__}: e.g. .item(), float(loss), or `if loss > 0`). Skip it while "
         "estimating, `if not nbmem.estimating(): ...`, or run the step for real: mode='tracked' (this CPU) or "
         "nbmem.track() around your own loop"
+    )
+
+
+#: How FakeTensorMode refuses a real tensor (torch/_subclasses/fake_tensor.py, validate_and_convert_non_fake_tensors).
+_REAL_TENSOR = "Please convert all Tensors to FakeTensors"
+
+
+def real_tensor_message(error: BaseException) -> str | None:
+    """What to tell the user when a real tensor met fake ones (None: the error is another one)."""
+    if not isinstance(error, AssertionError) or not str(error).startswith(_REAL_TENSOR):
+        return None
+    where = _user_lines(error)
+    return (
+        f"a real tensor, made before the estimate, met nbmem's fake ones{' at ' + where if where else ''}: "
+        "an estimate makes every tensor itself (a closure's tensor, e.g. class weights for the loss, or a "
+        "slice of a dataset, has data and can't mix with them). Make it where it is used, inside your step or "
+        "the batch factory (e.g. torch.ones(10) there), or keep it on the model as a buffer; or run the step "
+        "for real: mode='tracked'"
     )
 
 

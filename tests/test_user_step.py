@@ -218,6 +218,20 @@ def test_reading_a_value_on_fake_tensors_names_the_users_line():
         estimate(build, make, batch_size=8, step=helper_step)
 
 
+def test_a_real_tensor_from_outside_gets_advice_naming_its_line():
+    class_weights = torch.ones(CLASSES)
+
+    def weighted(model, batch, optimizer):
+        F.cross_entropy(model(batch[0]), batch[1], weight=class_weights).backward()
+
+    with pytest.raises(ValueError, match=r"a real tensor, made before the estimate, met nbmem's fake ones at "
+                                         r".*test_user_step.py:\d+ \(`F.cross_entropy\(.*weight=class_weights"):
+        estimate(build, make, batch_size=8, step=weighted)
+    data = torch.randn(32, 64), torch.randint(0, CLASSES, (32,))
+    with pytest.raises(ValueError, match=r"\(`estimate\(build, lambda n: \(data\[0\]\[:n\].*inside your step or the batch"):
+        estimate(build, lambda n: (data[0][:n], data[1][:n]), batch_size=8)  # the factory slices a dataset
+
+
 def test_the_steps_own_errors_and_interrupts_pass_unchanged_and_leave_nothing_on():
     def failing(model, batch, optimizer):
         model(batch[0])
