@@ -45,7 +45,7 @@ from .userstep import (
     fake_error_message,
     real_tensor_message,
     run_user_step,
-    step_name,
+    step_label,
     user_step_notes,
 )
 from .tracking import Tracker
@@ -393,7 +393,7 @@ def estimate(
         world_size=world_size,
         rank=rank,
         notes=tuple(notes),
-        step=BUILT_IN if step is None else f"yours: {step_name(step)}, run as written",
+        step=step_label(step),
     )
 
 

@@ -189,6 +189,7 @@ def _chart_html(result: Estimate) -> str:
         "<div style='font-family:sans-serif;font-size:13px;max-width:48em'>"
         f"<div>estimated peak on <b>{html.escape(result.capacity_label)}</b>: {verdict}{reserved}; "
         f"effective batch {result.effective_batch}{scale}</div>"
+        + f"<div style='color:#555'>step: {html.escape(result.step)}</div>"
         + stacked_bar_html([*segments, ("free", free)], "nbmem-explore-bar")
         + "</div></div>"
     )

@@ -61,7 +61,7 @@ from .building import _FakeDeepcopy, default_device
 from .step import cast_floats, moved_to
 
 __all__ = ["estimating", "check_step", "run_user_step", "step_name", "user_step_notes", "AlwaysSteppingScaler",
-           "fake_error_message", "real_tensor_message", "BUILT_IN"]
+           "fake_error_message", "real_tensor_message", "BUILT_IN", "step_label"]
 
 #: How an estimate names nbmem's built-in step (nbmem.step.run_step) and what it holds.
 BUILT_IN = (
@@ -145,6 +145,11 @@ def _accepts(step: Callable[..., Any], count: int) -> bool:
     except ValueError:  # no signature to read (some builtins): let the call itself say
         return count == 3
     return True
+
+
+def step_label(step: Any) -> str:
+    """What a result says about the step that ran: the built-in one (None) or the user's, by name."""
+    return BUILT_IN if step is None else f"yours: {step_name(step)}, run as written"
 
 
 def step_name(step: Any) -> str:

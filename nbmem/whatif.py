@@ -19,7 +19,7 @@ import torch
 from .estimation import Estimate, _run_device, estimate
 from .launcher import RankError, launch
 from .parallel import check_parallel
-from .userstep import check_step
+from .userstep import BUILT_IN, check_step, step_label
 from .results import CATEGORIES, text_table
 from .units import format_bytes
 
@@ -150,7 +150,7 @@ class Comparison:
             else ""
         )
         per_gpu = " per GPU" if any(row.value("world_size") != 1 for row in self.rows) else ""
-        head = f"gpumem sweep: peak allocated{per_gpu} in {unit}, {self.mode}{fits}"
+        head = f"gpumem sweep: peak allocated{per_gpu} in {unit}, {self.mode}{fits}{self._step_label()}"
         return "\n".join([head, *text_table(header, body)])
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -165,8 +165,14 @@ class Comparison:
         )
         return (
             f"<div class='nbmem-sweep'><b>gpumem sweep</b>: peak allocated in {unit}, {html.escape(self.mode)}"
+            f"{html.escape(self._step_label())}"
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
         )
+
+    def _step_label(self) -> str:
+        """The user's own step, when it ran (the built-in one goes unsaid, as in every earlier table)."""
+        first = next((row.result for row in self.rows if row.result is not None), None)
+        return f"; step {first.step}" if first is not None and first.step != BUILT_IN else ""
 
     def to_records(self) -> list[dict[str, Any]]:
         """One dict per configuration: its knobs, peaks (bytes), the breakdown at the peak, or the error."""
@@ -348,6 +354,7 @@ class BatchSizeResult:
     accumulation: int = 1  # micro-batches per optimizer step the search used
     parallel: str = "single"  # the data-parallel strategy; sizes are per GPU
     world_size: int = 1
+    step: str = BUILT_IN  # which training step ran (Estimate.step)
 
     @property
     def real_trials(self) -> int:
@@ -380,6 +387,7 @@ class BatchSizeResult:
             f"{scale}"
             f" (predicted {self.predicted} from {self.estimates} estimates; verified with {self.real_trials} real"
             f" {self.mode} trials: {tried})\n"
+            f"  step: {self.step}\n"
             "  for a larger effective batch, search again with accumulation=N: gradients stay alive across "
             "micro-batches, so the largest micro-batch is smaller than the largest single batch"
         )
@@ -527,4 +535,4 @@ def max_batch_size(
     # verify for real around the prediction: both sides of the boundary are tried
     found = _boundary(fits, max(predicted, 1), limit)
     return BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
-                           parallel, world_size)
+                           parallel, world_size, step_label(step))

@@ -115,6 +115,7 @@ def test_a_step_written_like_the_built_in_gives_its_figures_to_the_byte(knobs):
     assert (mine.first_step, mine.steady, mine.reserved) == (built_in.first_step, built_in.steady, built_in.reserved)
     assert mine.breakdown == built_in.breakdown
     assert built_in.step == BUILT_IN and mine.step == "yours: like_the_built_in, run as written"
+    assert "\n  step             yours: like_the_built_in, run as written\n" in str(mine)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
@@ -305,11 +306,13 @@ def test_sweep_and_max_batch_size_run_the_step():
         options = dict(row.config)
         alone = estimate(build, make, batch_size=options["batch_size"], optimizer=options["optimizer"], step=holding)
         assert row.peak == alone.peak and row.result.step == "yours: holding, run as written"
+    assert str(table).splitlines()[0] == "gpumem sweep: peak allocated in MiB, estimated; step yours: holding, run as written"
     with pytest.raises(ValueError, match="accumulation is its own"):
         nbmem.sweep(build, make, batch_size=8, accumulation=[1, 2], step=holding)
 
     found = nbmem.max_batch_size(build, make, device="3MiB", optimizer="sgd", step=holding)
     trials = dict(found.trials)
+    assert found.step == "yours: holding, run as written" and "  step: yours: holding" in str(found)
     assert trials[found.batch_size] is not None and trials[found.batch_size + 1] is None  # both sides ran
     # the verdict is the user's step's: its estimate fits at the answer and not one above
     assert estimate(build, make, batch_size=found.batch_size, optimizer="sgd", step=holding, device="3MiB").fits
@@ -332,7 +335,7 @@ def test_explore_answers_with_the_step():
     panel = Explorer(build, make, batch_size=16, device="T4", step=flexible, optimizer="sgd")
     first = estimate(build, make, batch_size=16, device="T4", optimizer="sgd", step=flexible)
     assert (panel.last.peak, panel.last.step) == (first.peak, first.step)
-    assert panel.controls["accumulation"].disabled
+    assert panel.controls["accumulation"].disabled and "step: yours: flexible, run as written" in panel.chart.value
     panel.controls["optimizer"].value = OWN_OPTIMIZER
     own = estimate(build, make, batch_size=16, device="T4", optimizer=None, step=flexible)
     assert (panel.last.optimizer, panel.last.peak) == ("your step's own optimizer", own.peak)
