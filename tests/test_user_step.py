@@ -149,6 +149,19 @@ def test_clipping_and_an_ema_copy_are_counted_to_the_byte():
         assert with_ema.steady - plain.steady == PARAMETER_BYTES
 
 
+def test_a_step_that_accumulates_over_micro_batches_of_its_own():
+    def accumulating(model, batch, optimizer):
+        for inputs, targets in zip(batch[0].chunk(2), batch[1].chunk(2)):  # views: the whole batch stays
+            F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    whole, halves = both_ways(dropping, optimizer="sgd"), both_ways(accumulating, optimizer="sgd")
+    # the second backward makes each gradient anew beside the first's, to add them: at this size that
+    # costs more than the half of the activations it saves (the head's 512000 B gradient alone)
+    assert halves.peak - whole.peak >= 512000
+
+
 def test_a_step_with_two_optimizers_of_its_own():
     def two_optimizers(model, batch, optimizer):
         assert optimizer is None  # optimizer=None: nbmem builds none
