@@ -17,12 +17,18 @@ tracker. The contract:
 - nbmem keeps no reference to the batch while the step runs: it lives as long
   as the step holds it (a ``for batch in loader`` loop holds it until the
   step returns; a step that ``del``-s it after backward frees it there).
+  That holds for a plain function or method; a ``functools.partial`` or an
+  object with ``__call__`` is called through C, which keeps its arguments
+  until the call returns.
 - The step owns its loop shape: accumulation is the step's own (call
   backward N times inside it); ``accumulation`` must be 1 and ``loss`` unset.
 - ``precision="bf16"``/``"fp16"``: nbmem enters ``torch.autocast`` on the run's
-  device around the whole call. A ``torch.autocast("cuda")`` inside the
-  step does nothing on a CPU (PyTorch disables it without CUDA); nbmem's is
-  what applies there. With ``"fp16"`` a step that takes a fourth parameter
+  device around the whole call, and empties autocast's cache of
+  low-precision weights where the model's forward ends (see
+  :func:`run_user_step`): the memory is that of autocast around forward and
+  loss, as PyTorch's AMP recipe writes it. A ``torch.autocast("cuda")``
+  inside the step does nothing on a CPU (PyTorch disables it without CUDA);
+  nbmem's is what applies there. With ``"fp16"`` a step that takes a fourth parameter
   gets nbmem's ``GradScaler`` there; use it as usual
   (``scaler.scale(loss).backward(); scaler.step(optimizer); scaler.update()``).
 - State the step creates (an EMA copy, a second optimizer) belongs on the
@@ -42,7 +48,12 @@ tracker. The contract:
 ...         print(f"loss {loss.item():.2f}")
 ...     optimizer.step()
 ...     optimizer.zero_grad(set_to_none=True)
->>> check_step(train_step, accumulation=1, loss=None, optimizer="sgd", parallel="single", precision="fp32")
+>>> import nbmem
+>>> build = lambda: torch.nn.Linear(64, 1000)
+>>> make = lambda n: (torch.randn(n, 64), torch.randint(0, 1000, (n,)))
+>>> result = nbmem.estimate(build, make, batch_size=16, optimizer="sgd", step=train_step)
+>>> result.step
+'yours: train_step, run as written'
 """
 
 from __future__ import annotations
