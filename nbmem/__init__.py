@@ -28,6 +28,7 @@ __all__ = [
     "Tracker",
     "history",
     "estimate",
+    "estimating",
     "Estimate",
     "sweep",
     "Comparison",
@@ -58,6 +59,7 @@ _LAZY = {
     "Tracker": "tracking",
     "history": "magics",
     "estimate": "estimation",
+    "estimating": "userstep",
     "sweep": "whatif",
     "max_batch_size": "whatif",
     "explore": "explorer",
@@ -91,6 +93,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .results import History, MemoryResult
     from .scope import MemoryScope, measure, track
     from .tracking import Tracker
+    from .userstep import estimating
     from .units import format_bytes, parse_bytes
 
 

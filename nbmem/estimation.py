@@ -38,6 +38,16 @@ from .parallel import check_parallel, parallelize, per_device_batch, process_gro
 from .results import Breakdown
 from .scope import MemoryScope
 from .step import run_step
+from .userstep import (
+    BUILT_IN,
+    AlwaysSteppingScaler,
+    check_step,
+    fake_error_message,
+    real_tensor_message,
+    run_user_step,
+    step_label,
+    user_step_notes,
+)
 from .tracking import Tracker
 from .units import format_bytes
 
@@ -116,6 +126,8 @@ class Estimate:
     #: Which rank's view (ranks can differ a little: uneven shards, ZeRO's partition).
     rank: int = 0
     notes: tuple[str, ...] = ()
+    #: Which training step ran: nbmem's built-in one (nbmem.step) or the user's (estimate(step=...)).
+    step: str = BUILT_IN
     overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
 
     @property
@@ -159,6 +171,7 @@ class Estimate:
             f"  parameters       {self.parameters:,}",
             f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
             f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
+            f"  step             {self.step}",
         ]
         if self.reserved is not None:
             source = "measured" if self.mode == "measured" else "simulated caching allocator"
@@ -197,7 +210,7 @@ def estimate(
     *,
     batch_size: int | None = None,
     loss: Callable[[Any, Any], torch.Tensor] | None = None,
-    optimizer: str | Callable[..., torch.optim.Optimizer] = "adamw",
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw",
     precision: str = "fp32",
     checkpointing: bool | Callable[[nn.Module], bool] = False,
     accumulation: int = 1,
@@ -209,6 +222,7 @@ def estimate(
     world_size: int = 1,
     global_batch_size: int | None = None,
     rank: int = 0,
+    step: Callable[..., Any] | None = None,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -234,14 +248,39 @@ def estimate(
     GPU; or give ``global_batch_size``, which must divide into ``world_size``
     x ``accumulation``. Real runs of a strategy: :func:`nbmem.launch`.
 
+    The step nbmem runs (:mod:`nbmem.step`), twice (``first_step``, then
+    ``steady``): for each micro-batch it makes the batch, runs forward and
+    the loss (under autocast for ``"bf16"``/``"fp16"``) and holds the batch,
+    the output and the loss until ``backward()`` returns, then drops them;
+    then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, so no
+    gradient lives between steps. Yours may hold more or less: pass
+    ``step=train_step``, your own ``train_step(model, batch, optimizer)``,
+    and nbmem runs it instead, with the same tracker and knobs
+    (:mod:`nbmem.userstep` has the contract): ``batch`` is what ``batch``
+    returned for ``batch_size``; ``optimizer`` the one ``optimizer=`` names,
+    or None with ``optimizer=None`` (your step builds its own, e.g. two
+    of them, kept on the model it gets); bf16/fp16 run it inside autocast,
+    fp16 passes a GradScaler as a 4th argument if it takes one; your step
+    owns accumulation and the loss, so ``accumulation`` stays 1 and ``loss``
+    unset. On fake tensors nothing has a value: guard ``loss.item()`` with
+    ``if not nbmem.estimating():``.
+
     >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
     >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
     >>> result.breakdown.category("parameter")   # 4198400 + 40960 + 512
     4239872
+    >>> def lean_step(model, batch, optimizer):   # the logits die inside cross_entropy, before backward
+    ...     nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+    ...     optimizer.step()
+    ...     optimizer.zero_grad(set_to_none=True)
+    >>> mine = estimate(build, make, batch_size=64, optimizer="sgd", step=lean_step)
+    >>> result.peak - mine.peak   # the built-in step holds the logits through backward: 64 * 10 * 4 bytes
+    2560
     """
     batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
     _check(batch_size, precision, optimizer, accumulation)
+    check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
     run_on = _run_device(mode)
     capacity = label = None
     if device is not None:
@@ -278,19 +317,25 @@ def estimate(
             network = fresh_model(model, fake_mode, run_on)
             block = repeated_blocks(network)
             chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
-            make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+            make_optimizer = _optimizer_factory(optimizer)
             optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
             )
-            scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
-            step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on)
+            if step is None:
+                scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
+                one_step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision,
+                                             accumulation, run_on)
+            else:
+                scaler = AlwaysSteppingScaler(run_on.type) if precision == "fp16" else None
+                one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
+                                             run_on, fake_mode is not None)
             peaks, reserved, breakdowns = [], [], []
             for _ in range(2):
                 with scope() as one:
-                    step()
+                    one_step()
                 result = one.result
                 # set when the scope closed; a tracker (tracked, or breakdown=True) made the breakdown
                 assert result is not None and result.breakdown is not None
@@ -300,11 +345,18 @@ def estimate(
                 breakdowns.append(result.breakdown)
             parameters = sum(parameter.numel() for parameter in network.parameters())
     except FAKE_ERRORS as error:
+        if step is not None:
+            raise ValueError(fake_error_message(error, step)) from error
         raise ValueError(
             f"the model can't run on fake tensors ({type(error).__name__}: it reads a tensor's value, e.g. .item(), "
             "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
             "%%gpumem --backend tracked"
         ) from error
+    except AssertionError as error:  # FakeTensorMode refuses a real tensor with an assertion
+        message = real_tensor_message(error)
+        if message is None:
+            raise
+        raise ValueError(message) from error
     if precision in ("bf16", "fp16") and mode != "measured":
         notes.append(
             "autocast follows PyTorch's CPU op lists here; CUDA's lists differ for some ops "
@@ -318,12 +370,14 @@ def estimate(
     else:
         notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
         notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
+    if step is not None:
+        notes += user_step_notes(step, precision, run_on)
     first, steady = peaks
     return Estimate(
         batch_size=batch_size,
         accumulation=accumulation,
         precision=precision,
-        optimizer=optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom"),
+        optimizer=_optimizer_name(optimizer),
         checkpointing=chosen,
         parameters=parameters,
         first_step=first,
@@ -339,7 +393,21 @@ def estimate(
         world_size=world_size,
         rank=rank,
         notes=tuple(notes),
+        step=step_label(step),
     )
+
+
+def _optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> Callable[..., Any]:
+    """How nbmem builds the optimizer: by name, the user's factory, or (None: the user's step brings its own) none."""
+    if optimizer is None:
+        return lambda parameters, **kwargs: None
+    return OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+
+
+def _optimizer_name(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> str:
+    if optimizer is None:
+        return "your step's own optimizer"
+    return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")
 
 
 def _real_rank(parallel: str) -> int:

@@ -18,6 +18,7 @@ from .estimation import OPTIMIZERS, PRECISIONS, Estimate, estimate
 from .parallel import STRATEGIES, check_parallel
 from .results import stacked_bar_html
 from .units import format_bytes
+from .userstep import check_step
 from .whatif import real_mode, run_configuration
 
 __all__ = ["explore", "Explorer"]
@@ -26,6 +27,8 @@ __all__ = ["explore", "Explorer"]
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 #: The most ranks the button launches for real on this machine.
 LAUNCH_LIMIT = 4
+#: The optimizer menu's entry for a user's step that builds its own (optimizer=None); a menu value can't be None.
+OWN_OPTIMIZER = "your step's own"
 
 
 class Explorer:
@@ -41,15 +44,20 @@ class Explorer:
         device: str = "T4",
         precision: str = "fp32",
         checkpointing: bool = False,
-        optimizer: str = "adamw",
+        optimizer: str | None = "adamw",
         accumulation: int = 1,
         parallel: str = "single",
         world_size: int = 1,
+        step: Any = None,
     ) -> None:
         import ipywidgets as widgets
 
         parse_capacity(device)  # clear errors now rather than in a callback
         check_parallel(parallel, world_size)
+        check_step(step, accumulation=accumulation, loss=None, optimizer=optimizer, parallel=parallel,
+                   precision=precision)
+        self.step = step  # the user's own training step (None: nbmem's built-in one)
+        optimizers = list(OPTIMIZERS) + ([OWN_OPTIMIZER] if step is not None else [])
         if world_size not in WORLD_SIZES:
             raise ValueError(f"the explorer offers world sizes {', '.join(map(str, WORLD_SIZES))}, got {world_size}")
         self.model, self.batch = model, batch
@@ -63,9 +71,11 @@ class Explorer:
                                             continuous_update=False, style=style),
             "precision": widgets.Dropdown(options=PRECISIONS, value=precision, description="precision", style=style),
             "checkpointing": widgets.Checkbox(value=checkpointing, description="activation checkpointing"),
-            "optimizer": widgets.Dropdown(options=list(OPTIMIZERS), value=optimizer, description="optimizer", style=style),
+            "optimizer": widgets.Dropdown(options=optimizers, value=OWN_OPTIMIZER if optimizer is None else optimizer,
+                                          description="optimizer", style=style),
+            # a user's step owns its loop shape, accumulation included
             "accumulation": widgets.IntSlider(accumulation, min=1, max=32, description="accumulation steps",
-                                              continuous_update=False, style=style),
+                                              continuous_update=False, disabled=step is not None, style=style),
             "device": widgets.Dropdown(options=_devices(device), value=device, description="device", style=style),
             "parallel": widgets.Dropdown(options=list(STRATEGIES), value=parallel, description="data parallel",
                                          style=style),
@@ -89,7 +99,11 @@ class Explorer:
         self.update()
 
     def config(self) -> dict[str, Any]:
-        return {name: control.value for name, control in self.controls.items()}
+        """The knobs the controls show, as :func:`nbmem.estimate` takes them (``step`` included)."""
+        config = {name: control.value for name, control in self.controls.items()}
+        if config["optimizer"] == OWN_OPTIMIZER:
+            config["optimizer"] = None
+        return {**config, "step": self.step}
 
     def _changed(self, change: Any) -> None:
         if change["owner"] is self.controls["parallel"]:
@@ -106,7 +120,7 @@ class Explorer:
         """Estimate the current configuration (cached) and redraw the chart."""
         started = time.perf_counter()
         config = self.config()
-        key = tuple(sorted(config.items()))
+        key = tuple(sorted((name, value) for name, value in config.items() if name != "step"))
         if key not in self._cache:
             self._cache[key] = estimate(self.model, self.batch, **config)
         self.last = self._cache[key]
@@ -175,6 +189,7 @@ def _chart_html(result: Estimate) -> str:
         "<div style='font-family:sans-serif;font-size:13px;max-width:48em'>"
         f"<div>estimated peak on <b>{html.escape(result.capacity_label)}</b>: {verdict}{reserved}; "
         f"effective batch {result.effective_batch}{scale}</div>"
+        + f"<div style='color:#555'>step: {html.escape(result.step)}</div>"
         + stacked_bar_html([*segments, ("free", free)], "nbmem-explore-bar")
         + "</div></div>"
     )
@@ -186,7 +201,10 @@ def explore(model: Any, batch: Any, **options: Any) -> Explorer | None:
     Options: ``batch_size``, ``max_batch_size`` (the slider's end), ``device``,
     ``precision``, ``checkpointing``, ``optimizer``, ``accumulation``,
     ``parallel`` and ``world_size`` (the figures are then per GPU; the
-    button launches real ranks on this machine for up to 4 GPUs).
+    button launches real ranks on this machine for up to 4 GPUs), and
+    ``step``, your own training step ``step(model, batch, optimizer)`` (see
+    :func:`nbmem.estimate`; the accumulation slider is then off, and the
+    optimizer menu offers "your step's own", ``optimizer=None``).
     ``model`` and ``batch`` are as for :func:`nbmem.estimate`. Each change of
     a control re-estimates on fake tensors; returns the :class:`Explorer`
     (``controls``: the widgets by knob name; ``last``: the current

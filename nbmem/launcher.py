@@ -38,6 +38,7 @@ import torch
 
 from .estimation import Estimate, _check, estimate, resolve_batch_size
 from .parallel import collectives_on_copies
+from .userstep import check_step
 from .units import format_bytes
 
 __all__ = ["launch", "Launch", "run_ranks", "RankError"]
@@ -374,7 +375,7 @@ def launch(
     tracked (the same accounting as ``mode="tracked"``); on a machine with
     enough CUDA devices, NCCL, each rank measured on its own GPU (untested so
     far); ``mode="tracked"`` keeps to the CPU either way. The knobs are
-    :func:`nbmem.estimate`'s. A rank that fails stops the
+    :func:`nbmem.estimate`'s, ``step=`` (your own training step) included. A rank that fails stops the
     launch: the others are killed and its error is raised here; nothing is
     left running, and this process (the notebook's kernel) is not touched.
 
@@ -390,6 +391,8 @@ def launch(
     # bad input fails here, before any process starts
     per_rank = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, knobs.get("accumulation", 1))
     _check(per_rank, knobs.get("precision", "fp32"), knobs.get("optimizer", "adamw"), knobs.get("accumulation", 1))
+    check_step(knobs.get("step"), accumulation=knobs.get("accumulation", 1), loss=knobs.get("loss"),
+               optimizer=knobs.get("optimizer", "adamw"), parallel=parallel, precision=knobs.get("precision", "fp32"))
     cuda = torch.cuda.is_available() and mode != "tracked"
     if mode == "measured" and not cuda:
         raise ValueError("mode 'measured' launches on CUDA devices and none is available here: use mode='tracked'")

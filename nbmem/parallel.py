@@ -86,13 +86,19 @@ def process_group(parallel: str, world_size: int, *, fake: bool, device_type: st
                 "estimating a data-parallel step makes its own (fake) process group, and this process already "
                 "has one: estimate from a process outside your distributed job (a notebook, a script)"
             )
+        import sys
+
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
+        # init_process_group wraps sys.excepthook to prefix "[rank0]: " to tracebacks
+        # (distributed_c10d.py), and destroying the group leaves it: one more prefix per estimate
+        excepthook = sys.excepthook
         dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
         try:
             yield _mesh(parallel, world_size, device_type)
         finally:
             dist.destroy_process_group()
+            sys.excepthook = excepthook
         return
     if not dist.is_initialized() or dist.get_world_size() != world_size:
         raise ValueError(

@@ -1,11 +1,18 @@
 """The training step nbmem runs when the user gives none: forward, loss, backward, step, zero_grad.
 
-What it holds, in order, for each of ``accumulation`` micro-batches: the
-batch, the model's output and the loss until ``backward()`` returns; then
-they are dropped (the output is not kept through the optimizer step). After
-the last micro-batch: ``optimizer.step()`` (with fp16, the GradScaler's
-unscale/step/update), then ``zero_grad(set_to_none=True)``, so gradients do
-not live between steps.
+What it holds, in order, for each of ``accumulation`` micro-batches: it asks
+the batch factory for a batch, runs forward and the loss (inside
+``torch.autocast`` for ``"bf16"``/``"fp16"``: forward and loss only, as
+PyTorch's AMP recipe writes it), and holds the batch, the model's output and
+the loss until ``backward()`` returns; then they are dropped (the output is
+not kept through the optimizer step). Gradients accumulate across the
+micro-batches. After the last one: ``optimizer.step()`` (with fp16, the
+GradScaler's unscale/step/update), then ``zero_grad(set_to_none=True)``, so
+gradients do not live between steps.
+
+A user's loop that differs (holds the output longer, clips, keeps an EMA,
+zeroes elsewhere) moves the peak: ``nbmem.estimate(..., step=train_step)``
+runs the user's own step instead (:mod:`nbmem.userstep`).
 """
 
 from __future__ import annotations
@@ -79,11 +86,16 @@ def moved_to(value: Any, device: torch.device) -> Any:
 
 
 def _each_tensor(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with every tensor in it cast, through dicts, lists and (named) tuples; anything else as it is
+    (a user's step may get strings or numbers in its batch beside the tensors)."""
     if isinstance(value, torch.Tensor):
         return cast(value)
     if isinstance(value, dict):
-        return {key: cast(item) for key, item in value.items()}
-    return type(value)(cast(item) for item in value)
+        return {key: _each_tensor(item, cast) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        items = [_each_tensor(item, cast) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def _forward(model: nn.Module, inputs: Any) -> Any:

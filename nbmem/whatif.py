@@ -20,6 +20,7 @@ import torch
 from .estimation import Estimate, _run_device, estimate
 from .launcher import RankError, launch
 from .parallel import check_parallel
+from .userstep import BUILT_IN, check_step, step_label
 from .results import CATEGORIES, text_table
 from .units import format_bytes
 
@@ -150,7 +151,7 @@ class Comparison:
             else ""
         )
         per_gpu = " per GPU" if any(row.value("world_size") != 1 for row in self.rows) else ""
-        head = f"gpumem sweep: peak allocated{per_gpu} in {unit}, {self.mode}{fits}"
+        head = f"gpumem sweep: peak allocated{per_gpu} in {unit}, {self.mode}{fits}{self._step_label()}"
         return "\n".join([head, *text_table(header, body)])
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -165,8 +166,14 @@ class Comparison:
         )
         return (
             f"<div class='nbmem-sweep'><b>gpumem sweep</b>: peak allocated in {unit}, {html.escape(self.mode)}"
+            f"{html.escape(self._step_label())}"
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
         )
+
+    def _step_label(self) -> str:
+        """The user's own step, when it ran (the built-in one goes unsaid, as in every earlier table)."""
+        first = next((row.result for row in self.rows if row.result is not None), None)
+        return f"; step {first.step}" if first is not None and first.step != BUILT_IN else ""
 
     def to_records(self) -> list[dict[str, Any]]:
         """One dict per configuration: its knobs, peaks (bytes), the breakdown at the peak, or the error."""
@@ -222,6 +229,7 @@ def sweep(
     device: int | str | None = None,
     loss: Any = None,
     foreach: bool | None = None,
+    step: Any = None,
 ) -> Comparison:
     """Run every combination of the knobs and compare their peaks.
 
@@ -238,6 +246,11 @@ def sweep(
     size per GPU (``"single"`` is only combined with a world size of 1).
     Estimated, any world size; tracked or measured, each configuration is a
     real :func:`nbmem.launch` of that many ranks, its largest rank shown.
+
+    ``step`` is your own training step, ``step(model, batch, optimizer)``, run
+    in every configuration instead of nbmem's built-in one (see
+    :func:`nbmem.estimate`); its loop shape is its own, so ``accumulation``
+    stays 1.
 
     Every configuration is isolated: a fresh model and optimizer, all freed
     (``gc.collect()``) before the next; a measured sweep also returns the
@@ -269,6 +282,10 @@ def sweep(
             )
     for name in grid["parallel"]:
         check_parallel(name, 1 if name == "single" else 2)
+    for steps, chosen, strategy, kind in itertools.product(
+        grid["accumulation"], grid["optimizer"], grid["parallel"], grid["precision"]
+    ):
+        check_step(step, accumulation=steps, loss=loss, optimizer=chosen, parallel=strategy, precision=kind)
     capacity = label = None
     if device is not None:
         from .devices import parse_capacity
@@ -281,7 +298,7 @@ def sweep(
         if options["parallel"] == "single" and options["world_size"] != 1:
             continue  # one device has no world size to vary
         try:
-            rows.append(SweepRow(config, run_configuration(model, batch, mode, dict(loss=loss, foreach=foreach, device=device,
+            rows.append(SweepRow(config, run_configuration(model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
                                                                        **_enforced(mode, capacity), **options))))
         except torch.OutOfMemoryError:
             rows.append(SweepRow(config, None, "OOM"))
@@ -338,6 +355,7 @@ class BatchSizeResult:
     accumulation: int = 1  # micro-batches per optimizer step the search used
     parallel: str = "single"  # the data-parallel strategy; sizes are per GPU
     world_size: int = 1
+    step: str = BUILT_IN  # which training step ran (Estimate.step)
 
     @property
     def real_trials(self) -> int:
@@ -383,6 +401,7 @@ class BatchSizeResult:
             f"{scale}"
             f" (predicted {self.predicted} from {self.estimates} estimates; verified with {self.real_trials} real"
             f" {self.mode} trials: {tried})\n"
+            f"  step: {self.step}\n"
             "  for a larger effective batch, search again with accumulation=N: gradients stay alive across "
             "micro-batches, so the largest micro-batch is smaller than the largest single batch"
         )
@@ -443,6 +462,7 @@ def max_batch_size(
     verify: str = "auto",
     parallel: str = "single",
     world_size: int = 1,
+    step: Any = None,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
 
@@ -468,6 +488,10 @@ def max_batch_size(
     ``limit`` (a whole number, at least 1) caps the search. When ``limit``
     itself fits, the result's ``limit_reached`` is True and its text says
     the true maximum may be larger: ``batch_size`` is then a lower bound.
+
+    ``step`` is your own training step, ``step(model, batch, optimizer)``
+    (see :func:`nbmem.estimate`): the size is then the largest batch your
+    step fits, estimated and verified with that step.
 
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
@@ -498,8 +522,9 @@ def max_batch_size(
             f"nbmem.sweep(..., batch_size=[...], parallel={parallel!r}, world_size={world_size})"
         )
     capacity, label = parse_capacity(device)
+    check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
     options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
-                   accumulation=accumulation, parallel=parallel, world_size=world_size)
+                   accumulation=accumulation, parallel=parallel, world_size=world_size, step=step)
     estimates = 0
 
     def estimated(size: int) -> Estimate:
@@ -535,4 +560,4 @@ def max_batch_size(
     # verify for real around the prediction: both sides of the boundary are tried
     found = _boundary(fits, max(predicted, 1), limit)
     return BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
-                           parallel, world_size)
+                           parallel, world_size, step_label(step))

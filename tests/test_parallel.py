@@ -243,3 +243,13 @@ def test_the_explorer_estimates_per_gpu_and_checks_small_worlds():
     assert "2 real ranks tracked on this CPU" in panel.check.value
     panel.controls["parallel"].value = "single"
     assert panel.controls["world_size"].value == 1 and panel.last.world_size == 1
+
+
+def test_an_estimate_leaves_the_excepthook_as_it_was():
+    import sys
+
+    # torch's init_process_group wraps sys.excepthook (tracebacks get "[rank0]: "), and its
+    # destroy_process_group leaves the wrapper: before the fix, one more prefix per estimate
+    before = sys.excepthook
+    nbmem.estimate(build, make, batch_size=4, parallel="fsdp", world_size=2, optimizer="sgd")
+    assert sys.excepthook is before
