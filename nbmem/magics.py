@@ -427,8 +427,10 @@ def history(shell: Any = None) -> History:
     """The measured cells of this IPython session (``%gpumem history -o`` returns the same).
 
     ``shell`` defaults to the running IPython shell, which must have loaded
-    the extension (``%load_ext nbmem``); otherwise RuntimeError. The
-    :class:`~nbmem.History` is live: cells measured later are appended to it.
+    the extension (``%load_ext nbmem``). The :class:`~nbmem.History` is live:
+    cells measured later are appended to it. Plain Python has no cells and no
+    session: there, and in a shell without the extension, RuntimeError says
+    what to do instead (build a ``nbmem.History`` of your own results).
 
     Example, in a notebook::
 
@@ -438,7 +440,33 @@ def history(shell: Any = None) -> History:
         cells = nbmem.history()
         cells[-1].peak                   # the last measured cell's peak, in bytes
         cells.to_dataframe()             # with pandas
+
+    and in plain Python, where there is no session to read:
+
+    >>> import nbmem, torch
+    >>> with nbmem.track("cpu") as scope:
+    ...     x = torch.ones(256)            # 256 * 4 bytes = 1024
+    >>> nbmem.History([scope.result]).to_records()[0]["retained"]
+    1024
     """
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:
+            # A plain `python` process or script: no IPython shell, so no cells
+            # were measured and no session exists to read them from.
+            raise RuntimeError(
+                "nbmem.history() lists the cells that %%gpumem and `%gpumem on` measured in IPython or "
+                "Jupyter; this is plain Python (no IPython shell is running), so there are none. Keep the "
+                "results you measure and make the same table yourself: `with nbmem.measure() as first: ...` "
+                "then `nbmem.History([first.result, second.result])` (.to_records(), .to_dataframe(), .plot())"
+            )
+    if _registered(shell) is None:
+        raise RuntimeError(
+            "nbmem.history() lists the cells nbmem measured, and nbmem's extension is not loaded in this "
+            "shell: run `%load_ext nbmem`, then put %%gpumem on a cell (or run `%gpumem on`)"
+        )
     return _session(shell).history
 
 

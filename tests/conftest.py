@@ -1,4 +1,10 @@
-"""Shared fixtures: a real IPython shell with nbmem loaded, and the cuda marker."""
+"""Shared fixtures: a real IPython shell with nbmem loaded; the cuda and slow markers.
+
+Two tiers (issue 12): ``pytest -m "not slow"`` runs in one process, no kernel,
+subprocess, venv or browser; ``pytest`` runs everything. Mark a test
+``@pytest.mark.slow`` when it starts a kernel, a process (ranks, a venv, a
+browser) or runs a notebook.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,15 @@ import pytest
 import torch
 
 
+# Doctests (--doctest-modules) that start processes: in the slow tier like the
+# tests that do (issue 12). A doctest can't carry a marker, so it is named here.
+SLOW_DOCTESTS = frozenset({"nbmem.launcher.launch"})  # forks 2 ranks in a gloo process group
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if isinstance(item, pytest.DoctestItem) and item.name in SLOW_DOCTESTS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; none here (untested on CUDA in this run)")

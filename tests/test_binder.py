@@ -33,7 +33,7 @@ for name in sys.argv[1:]:
     notebook = nbformat.read(name, as_version=4)
     started = time.perf_counter()
     try:
-        nbclient.NotebookClient(notebook, kernel_name="python3", timeout=300).execute()
+        nbclient.NotebookClient(notebook, kernel_name="python3", timeout=600).execute()
     except Exception as error:  # report every notebook, then fail
         failed.append(f"{name}: {type(error).__name__}: {str(error)[-1500:]}")
     print(f"{name} {time.perf_counter() - started:.1f} s", flush=True)

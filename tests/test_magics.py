@@ -226,6 +226,44 @@ def test_history_needs_the_extension():
     assert InteractiveShell  # imported for the real shell type used elsewhere
 
 
+def test_history_in_plain_python_says_what_to_do_instead(monkeypatch):
+    import IPython
+
+    monkeypatch.setattr(IPython, "get_ipython", lambda: None)  # as in `python script.py`
+    with pytest.raises(RuntimeError, match=r"this is plain Python .*nbmem\.History\(\[first\.result, second\.result\]\)"):
+        nbmem.history()
+
+
+def test_history_in_a_shell_without_the_extension_says_how_to_load_it(shell):
+    nbmem.unload_ipython_extension(shell)
+    try:
+        with pytest.raises(RuntimeError, match="extension is not loaded in this shell: run `%load_ext nbmem`"):
+            nbmem.history()
+    finally:
+        nbmem.load_ipython_extension(shell)
+
+
+def test_history_is_the_sessions_measured_cells(shell):
+    shell.run_cell("import torch")
+    run(shell, "%%gpumem -q --backend tracked --device cpu\nc = torch.zeros(256)")
+    cells = nbmem.history()
+    assert len(cells) == 1 and cells[-1].label == "c = torch.zeros(256)"
+    assert cells[-1].retained == 256 * 4  # 1024 bytes: two 512 B blocks, no rounding
+    del shell.user_ns["c"]
+    assert nbmem.history() is cells  # live: the session's own History
+
+
+@pytest.mark.slow  # a fresh interpreter in a subprocess
+def test_history_in_a_real_python_process_raises_the_advice():
+    import subprocess
+    import sys
+
+    code = "import nbmem\ntry:\n    nbmem.history()\nexcept RuntimeError as error:\n    print(error)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "this is plain Python (no IPython shell is running)" in done.stdout
+
+
 def test_profile_log_keeps_its_backend_whatever_the_notebook_turns_off(shell, tmp_path):
     from nbmem.magics import log_every_cell
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import nbformat
 import pytest
-from _notebooks import assert_committed_clean, execute
+from _notebooks import assert_committed_clean, execute, failed_cells
 
 pytestmark = pytest.mark.slow
 
@@ -53,9 +53,10 @@ def test_is_committed_clean() -> None:
     assert_committed_clean(PATH)
 
 
-def test_runs_quickly(executed: dict[str, Any]) -> None:
-    # Binder runs it on a CPU; the story promises "well under a minute" there.
-    assert executed["seconds"] < 120
+def test_runs_without_error(executed: dict[str, Any]) -> None:
+    # How long it takes is not asserted: that is the machine's speed, not
+    # nbmem's behaviour (issue 12). execute() prints it; timings go in benchmarks/.
+    assert failed_cells(executed["notebook"]) == []
 
 
 def test_only_the_tagged_cell_fails_and_with_out_of_memory(executed: dict[str, Any]) -> None:

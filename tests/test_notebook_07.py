@@ -80,10 +80,10 @@ def test_is_committed_clean() -> None:
     assert first.source.splitlines() == ["%load_ext nbmem", "%matplotlib inline"]
 
 
-def test_runs_without_error_and_quickly() -> None:
+def test_runs_without_error() -> None:
+    # No time limit (issue 12): execute() prints how long it took.
     run = _run()
     assert failed_cells(run["notebook"]) == []
-    assert run["seconds"] < 180, f"{PATH.name} took {run['seconds']:.1f} s"
 
 
 def test_every_claim_has_a_markdown_statement_and_a_printed_verdict(nb07: nbformat.NotebookNode) -> None:

@@ -15,6 +15,7 @@ import nbclient
 import nbformat
 import pytest
 import torch
+from _notebooks import HANG_TIMEOUT
 from nbformat.v4 import new_code_cell, new_notebook
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ def _execute(notebook: nbformat.NotebookNode, *, allow_errors: bool = False) -> 
     client = nbclient.NotebookClient(
         notebook,
         kernel_name="python3",
-        timeout=120,
+        timeout=HANG_TIMEOUT,  # hang protection, not a speed limit
         allow_errors=allow_errors,
         resources={"metadata": {"path": str(NOTEBOOKS)}},
     )

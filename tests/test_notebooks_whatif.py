@@ -85,11 +85,10 @@ def test_is_committed_clean(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_runs_without_error_and_quickly(name: str) -> None:
+def test_runs_without_error(name: str) -> None:
+    # No time limit (issue 12): execute() prints how long it took.
     run = _run(name)
     assert failed_cells(run["notebook"]) == []
-    # Binder runs these on a CPU: well under two minutes each, kernel start included.
-    assert run["seconds"] < 120, f"{name} took {run['seconds']:.1f} s"
 
 
 # -- 03: batch size and accumulation ---------------------------------------------------

@@ -1,4 +1,8 @@
-"""Data parallelism: per-GPU estimates under DDP, ZeRO-1 and FSDP2, checked against real gloo ranks."""
+"""Data parallelism: per-GPU estimates under DDP, ZeRO-1 and FSDP2, checked against real gloo ranks.
+
+Tests that launch real ranks (forked processes) or a kernel are marked slow;
+the estimates alone (fake process group, one process) are in the fast tier.
+"""
 
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ def make(n):
 SHARDED = ["ddp", "zero1", "fsdp", "fsdp-no-reshard"]
 
 
+@pytest.mark.slow  # launches real ranks (processes)
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("parallel", SHARDED)
 def test_estimates_agree_with_every_real_rank(parallel, world_size):
@@ -99,6 +104,7 @@ def test_any_world_size_is_estimated_and_fsdp_shrinks_what_ddp_does_not():
     assert len(axes.get_lines()) == 3  # a line per strategy, and the capacity
 
 
+@pytest.mark.slow  # launches real ranks (processes)
 def test_a_tracked_sweep_launches_each_configuration():
     table = nbmem.sweep(build, make, batch_size=16, parallel=["single", "fsdp"], world_size=[1, 2], mode="tracked",
                         optimizer="sgd")
@@ -110,6 +116,7 @@ def test_a_tracked_sweep_launches_each_configuration():
     assert real[2].peak == pytest.approx(estimated.peak, rel=0.02)
 
 
+@pytest.mark.slow  # launches real ranks (processes)
 def test_a_rank_out_of_memory_is_recorded_as_oom():
     table = nbmem.sweep(build, make, batch_size=16, parallel=["ddp", "fsdp"], world_size=2, mode="tracked",
                         device="12MiB")
@@ -117,6 +124,7 @@ def test_a_rank_out_of_memory_is_recorded_as_oom():
     assert errors == {"ddp": "OOM", "fsdp": None}
 
 
+@pytest.mark.slow  # launches real ranks (processes)
 def test_max_batch_size_per_gpu_verified_by_launches():
     found = nbmem.max_batch_size(build, make, device="32MiB", parallel="fsdp", world_size=2, optimizer="adam")
     sizes = dict(found.trials)
@@ -189,6 +197,7 @@ def _children() -> set[int]:
     return found
 
 
+@pytest.mark.slow  # launches real ranks (processes)
 def test_a_failing_rank_ends_the_launch_with_its_error():
     before = _children()
 
@@ -198,12 +207,13 @@ def test_a_failing_rank_ends_the_launch_with_its_error():
         return make(n)
 
     with pytest.raises(RankError, match="rank 1 of 2 failed") as raised:
-        nbmem.launch(build, make_on_one_rank, batch_size=8, parallel="ddp", world_size=2, timeout=120)
+        nbmem.launch(build, make_on_one_rank, batch_size=8, parallel="ddp", world_size=2, timeout=600)
     assert raised.value.rank == 1 and "RuntimeError: rank 1's data loader broke" in str(raised.value)
     assert _children() == before
     assert not dist.is_initialized()
 
 
+@pytest.mark.slow  # launches real ranks (processes)
 def test_the_notebook_kernel_keeps_working_after_a_failed_launch():
     cells = [
         "import torch, nbmem\n"
@@ -220,12 +230,13 @@ def test_the_notebook_kernel_keeps_working_after_a_failed_launch():
         "print(kept, len(nbmem.launch(build, make, batch_size=8, parallel='ddp', world_size=2).peaks))",
     ]
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])
-    nbclient.NotebookClient(notebook, timeout=300, allow_errors=True).execute()
+    nbclient.NotebookClient(notebook, timeout=600, allow_errors=True).execute()
     failed = notebook.cells[1].outputs[0]
     assert failed.output_type == "error" and failed.ename == "RankError" and "broken on rank 1" in failed.evalue
     assert notebook.cells[2].outputs[0].text == "state before the failure 2\n"
 
 
+@pytest.mark.slow  # launches real ranks (processes)
 def test_the_explorer_estimates_per_gpu_and_checks_small_worlds():
     panel = Explorer(build, make, batch_size=16, device="12MiB", optimizer="adam")
     assert panel.controls["world_size"].disabled

@@ -311,7 +311,7 @@ def test_kernel_keeps_nothing_after_free():
         "print(result.released)",
     ]
     notebook = new_notebook(cells=[new_code_cell(source) for source in cells])
-    nbclient.NotebookClient(notebook, kernel_name="python3", timeout=120, allow_errors=True).execute()
+    nbclient.NotebookClient(notebook, kernel_name="python3", timeout=600, allow_errors=True).execute()
     leaked, freed = (cell.outputs[0]["text"] for cell in notebook.cells[3:])
 
     assert leaked == f"leaked {LEAK + OUTPUT}\n"

@@ -106,6 +106,7 @@ def test_empty_history_text():
     assert "no cells measured yet" in str(History())
 
 
+@pytest.mark.slow  # a fresh interpreter, in a subprocess
 def test_import_nbmem_is_light():
     code = (
         "import sys, nbmem\n"
