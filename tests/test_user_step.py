@@ -89,6 +89,13 @@ def deepcopy_ema(model, batch, optimizer):
         vars(model)["ema"] = copy.deepcopy(model)  # an attribute, not a submodule; deepcopy works on fake tensors
 
 
+def averaged_model_ema(model, batch, optimizer):
+    dropping(model, batch, optimizer)
+    if "ema" not in vars(model):
+        vars(model)["ema"] = torch.optim.swa_utils.AveragedModel(model)  # PyTorch's own EMA/SWA copy
+    vars(model)["ema"].update_parameters(model)
+
+
 def both_ways(step, **knobs):
     """The same step estimated on fake tensors and run for real, tracked."""
     torch.manual_seed(0)
@@ -147,6 +154,9 @@ def test_clipping_and_an_ema_copy_are_counted_to_the_byte():
         # copy of the parameters, 549376 bytes; clip_grad_norm_'s norms (512 B each) are below the peak
         assert with_ema.first_step == plain.first_step
         assert with_ema.steady - plain.steady == PARAMETER_BYTES
+    with_averaged_model = both_ways(averaged_model_ema)
+    # AveragedModel: the copy, and its n_averaged counter (a scalar buffer, one 512 B block)
+    assert with_averaged_model.steady - plain.steady == PARAMETER_BYTES + 512
 
 
 def test_a_step_that_accumulates_over_micro_batches_of_its_own():
