@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .fakemode import new_fake_mode
+
 __all__ = ["fresh_model", "repeated_blocks", "apply_precision_and_checkpointing", "new_fake_mode", "FAKE_ERRORS",
            "without_onednn", "default_device"]
 
@@ -40,12 +42,6 @@ def _fake_errors() -> tuple[type[BaseException], ...]:
 
 
 FAKE_ERRORS = _fake_errors()
-
-
-def new_fake_mode() -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode()
 
 
 def fresh_model(model: Any, fake_mode: Any, device: torch.device) -> nn.Module:

@@ -71,7 +71,10 @@ class _TrackingMode(TorchDispatchMode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         if tracker._foreign:  # freed while the op ran: before its outputs, which may reuse the storage's place
             tracker.drain()
-        tracker._note(out)
+        if isinstance(out, _Tensor):  # most ops: one tensor out, counted without the walk through _note
+            tracker._count(out, False)
+        elif isinstance(out, (tuple, list)):
+            tracker._note(out)
         return out
 
 
@@ -328,6 +331,15 @@ class Tracker:
         alive at the running peak move in the peak's breakdown too, so the peak
         is described by what each storage turned out to be.
         """
+        # Most calls (saved activations, parameters at every forward, optimizer state
+        # at every step) name a known storage what it already is: nothing to change.
+        try:
+            record = self._storages.get(tensor.untyped_storage()._cdata)
+        except (RuntimeError, NotImplementedError):
+            record = None
+        if (record is not None and _RANK[category] >= _RANK[record.category]
+                and (module is None or module == record.module)):
+            return
         if not self._on_device(tensor):
             return
         if is_traceable_wrapper_subclass(tensor):  # a DTensor: what its local shard is for
@@ -372,7 +384,9 @@ class Tracker:
 
     def _adopt_all(self, values: Any) -> None:
         # Runs for every input of every op: most inputs are already known, so
-        # that check comes first and costs no further call.
+        # that check comes first and costs no further call (the device test
+        # waits for storages not seen yet: a FakeTensor's is_cpu is itself a
+        # dispatched op, about 4 us).
         storages = self._storages
         for value in values:
             if isinstance(value, _Tensor):
@@ -382,39 +396,44 @@ class Tracker:
                     known = False  # sparse: _count looks at its parts
                 if not known:
                     self._count(value, adopt=True)
-            elif isinstance(value, (tuple, list)):
+            elif isinstance(value, (tuple, list)) and value and not isinstance(value[0], (int, float)):
+                # ATen's lists hold one type (int[], float[], Tensor[], Tensor?[]): sizes and dims hold no tensor
                 self._adopt_all(value)
 
     def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
         __tracebackhide__ = True
-        if not self._on_device(tensor):
-            return
-        if type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor):
-            # a DTensor's own storage is a placeholder of the global size: its memory is its local shard
-            for part in _parts(tensor):
-                self._count(part, adopt)
-            return
+        # Known storages first (a view's output, an in-place op's): only this
+        # tracker's device is ever recorded, so they need no device test.
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            # A sparse tensor has no storage of its own: its memory is that
-            # of its index and value tensors. Nested tensors are not counted.
+            storage = None
+        if storage is not None:
+            key = storage._cdata
+            record = self._storages.get(key)
+            if record is not None:
+                # an in-place op's or a view's output: resized only if its rounded size changed
+                # (round_allocation, inline: this runs for most ops)
+                if not adopt and -(-storage.nbytes() // self.block) * self.block != record.size:
+                    self._resized(key, record, storage.nbytes())
+                return
+        if not self._on_device(tensor):
+            return
+        if storage is None or (type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor)):
+            # A sparse tensor has no storage of its own: its memory is that of
+            # its index and value tensors; a DTensor's own storage is a
+            # placeholder of the global size: its memory is its local shard.
+            # Nested tensors are not counted.
             for part in _parts(tensor):
                 self._count(part, adopt)
             return
-        key = storage._cdata
-        record = self._storages.get(key)
-        if record is not None:
-            if adopt:
-                return
-            self._resized(key, record, storage.nbytes())
-            return
         if adopt and not self.adopt_unseen:
             return
-        size = round_allocation(storage.nbytes(), self.block)
-        if not adopt:
+        size = -(-storage.nbytes() // self.block) * self.block  # round_allocation, inline: once per new storage
+        if not adopt and self.capacity is not None:
             self._check_capacity(size)
-        module = self.current_module() if self._attribution is not None else None
+        attribution = self._attribution
+        module = attribution.current_module() if attribution is not None else None
         record = StorageRecord(size, -1 if adopt else self._op_index, None if adopt else self._op, module,
                                tuple(tensor.shape), tensor.dtype)
         self._storages[key] = record
@@ -423,8 +442,9 @@ class Tracker:
             self.simulator.malloc(key, size)
         self._categories["other"] += size
         self._modules[module] = self._modules.get(module, 0) + size
-        for recording in self._recordings:
-            recording.storages.append(record)
+        if self._recordings:
+            for recording in self._recordings:
+                recording.storages.append(record)
         if adopt:
             self._allocated += size
             self._peak += size
@@ -609,7 +629,9 @@ def _remove_mode(mode: TorchDispatchMode) -> None:
 
 def _device_test(device: torch.device) -> Callable[[torch.Tensor], bool]:
     if device.type == "cpu":
-        return lambda tensor: tensor.is_cpu
+        # is_cpu is the fastest test on a plain tensor; on a FakeTensor it is a
+        # dispatched op (prim.device, about 4 us) where .device is a property
+        return lambda tensor: tensor.is_cpu if type(tensor) in _PLAIN else tensor.device.type == "cpu"
     index = device.index
     kind = device.type
     return lambda tensor: tensor.device.type == kind and tensor.get_device() == index

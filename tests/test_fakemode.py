@@ -1,0 +1,98 @@
+"""nbmem's fake mode builds exactly PyTorch's own dispatch-cache keys, and so answers exactly as FakeTensorMode does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
+
+from nbmem.fakemode import FastKeyFakeTensorMode, new_fake_mode
+
+
+def both_keys(mode: FastKeyFakeTensorMode, func, args, kwargs=None):
+    """The cache key from nbmem's _prep_args_for_hash and from PyTorch's own, on the same mode and arguments."""
+    keys = []
+    for prep in (mode._prep_args_for_hash, lambda *a: FakeTensorMode._prep_args_for_hash(mode, *a)):
+        values: list[object] = [func]
+        prep(values, args, _CacheKeyState(None), [])
+        if kwargs:
+            prep(values, kwargs, _CacheKeyState(None), [])
+        keys.append(values)
+    return keys
+
+
+def arguments(mode: FastKeyFakeTensorMode) -> dict[str, tuple]:
+    """Arguments covering what a training step passes: views, offsets, channels-last, grads, ints, lists, None."""
+    with mode:
+        matrix = torch.empty(8, 16)
+        image = torch.empty(2, 3, 8, 8).to(memory_format=torch.channels_last)
+        volume = torch.empty(2, 3, 4, 4, 4).to(memory_format=torch.channels_last_3d)
+        weight = torch.nn.Parameter(torch.empty(16, 4))
+        half = torch.empty(5, 5, dtype=torch.bfloat16)
+        labels = torch.empty(8, dtype=torch.long)
+        with torch.inference_mode():
+            inference = torch.empty(3)
+    return {
+        "dense": (matrix, weight),
+        "transposed view": (matrix.t(),),
+        "offset view": (matrix[2:, 1:],),
+        "channels last": (image,),
+        "channels last 3d": (volume,),
+        "4-d, not contiguous": (image[:, :, ::2],),
+        "requires grad": (weight, 0.5, True),
+        "bf16 and ints": (half, labels, 3, [1, 2], (4, None)),
+        "size and dtype": (matrix.shape, torch.float32, torch.device("cpu"), torch.strided),
+        "inference": (inference,),
+        "nested lists": ([matrix, [labels, 2]],),
+        "empty": (),
+    }
+
+
+@pytest.mark.parametrize("case", list(arguments(FastKeyFakeTensorMode())))
+def test_key_equals_pytorchs_own(case):
+    mode = FastKeyFakeTensorMode()
+    args = arguments(mode)[case]
+    ours, theirs = both_keys(mode, torch.ops.aten.add.Tensor, args, {"alpha": 2, "out": None})
+    assert ours == theirs
+    assert len(ours) > 5  # the key holds the arguments, not just the op: [func, tuple, "length_n", ...]
+
+
+def test_conj_and_neg_bits_are_in_the_key():
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        complex_ = torch.empty(3, dtype=torch.complex64)
+        conjugate = complex_.conj()
+    assert conjugate.is_conj()
+    ours, theirs = both_keys(mode, torch.ops.aten.add.Tensor, (conjugate,))
+    assert ours == theirs
+    assert ours != both_keys(mode, torch.ops.aten.add.Tensor, (complex_,))[0]
+
+
+def test_a_foreign_fake_is_left_to_pytorch():
+    # a fake tensor of another mode is not cacheable: PyTorch's own check raises its bypass signal
+    from torch._subclasses.fake_tensor import _BypassDispatchCache
+
+    mode, other = FastKeyFakeTensorMode(), FakeTensorMode()
+    with other:
+        foreign = torch.empty(2)
+    with pytest.raises(_BypassDispatchCache):
+        mode._prep_args_for_hash([], (foreign,), _CacheKeyState(None), [])
+
+
+def test_a_training_step_allocates_as_under_fake_tensor_mode():
+    """The same ops, shapes and strides as under PyTorch's own mode: every output's metadata equal."""
+
+    def step(mode):
+        torch.manual_seed(0)
+        with mode:
+            model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
+                                        torch.nn.Linear(8 * 6 * 6, 4))
+            out = model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last))
+            out.sum().backward()
+            return [(tuple(p.grad.shape), p.grad.stride(), p.grad.dtype) for p in model.parameters()], out.stride()
+
+    assert step(new_fake_mode()) == step(FakeTensorMode())
+
+
+def test_new_fake_mode_is_the_fast_one_on_this_torch():
+    assert type(new_fake_mode()) is FastKeyFakeTensorMode
