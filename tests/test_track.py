@@ -264,3 +264,72 @@ def test_a_forward_pass_never_run_backward_is_freed():
     with nbmem.track("cpu") as scope:
         model(inputs).sum().backward()  # and backward still works through the detached saved tensors
     assert all(parameter.grad is not None for parameter in model.parameters())
+
+
+# -- issue 12: the baseline is every storage alive, touched or not -----------------
+
+
+def test_a_tensor_freed_without_any_op_touching_it_counts_in_the_baseline():
+    held = torch.ones(2048, 1024)  # 2048 * 1024 * 4 bytes = 8 MiB, made before the scope
+    with nbmem.track("cpu") as scope:
+        made = torch.ones(256, 1024)  # 1 MiB
+        del held  # no op inside the scope ever used it
+    assert (scope.result.peak, scope.result.retained) == (MiB, MiB - 8 * MiB)  # -7 MiB, as the GPU would say
+    del made
+
+
+def test_a_storage_emptied_by_resize_counts_in_the_baseline():
+    held = torch.ones(2048, 1024)  # 8 MiB
+    with nbmem.track("cpu") as scope:
+        held.untyped_storage().resize_(0)  # no dispatched op: only the baseline knew of it
+    assert (scope.result.peak, scope.result.retained) == (0, -8 * MiB)
+
+
+def test_the_baseline_is_every_live_storage_and_holds_none():
+    kept = torch.ones(1000)  # 4000 B -> 4096
+    probe = weakref.ref(kept)
+    tracker = Tracker("cpu")
+    assert tracker.adopt_live() >= 4096 and tracker.record_of(kept).size == 4096
+    live = tracker.allocated()
+    del kept
+    assert probe() is None  # the walk kept no reference, and no gc.collect() was needed
+    assert tracker.allocated() == live - 4096
+
+
+def test_a_fake_tensor_is_not_in_the_baseline():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ghost = torch.empty(1 << 20)  # claims 4 MiB on "cpu"; its storage is meta and holds nothing
+    tracker = Tracker("cpu")
+    tracker.adopt_live()
+    assert tracker.storage_key(ghost) is None
+    del ghost
+
+
+def test_torch_tensor_of_an_ndarray_counts_only_the_copy():
+    numpy = pytest.importorskip("numpy")
+    array = numpy.ones((1024, 1024), dtype=numpy.float32)  # 4 MiB of NumPy's memory
+    with nbmem.track("cpu") as scope:
+        copied = torch.tensor(array)  # wraps the array (from_blob, no allocator), then copies it: 4 MiB
+    assert (scope.result.peak, scope.result.retained) == (4 * MiB, 4 * MiB)
+    with nbmem.track("cpu") as scope:
+        shared = torch.from_numpy(array) * 1  # the product is new (4 MiB), the shared input is NumPy's
+    assert (scope.result.peak, scope.result.retained) == (4 * MiB, 4 * MiB)
+    del copied, shared
+
+
+def test_a_tensor_made_on_another_thread_is_counted_and_said():
+    import threading
+
+    made = []
+    with nbmem.track("cpu") as scope:
+        worker = threading.Thread(target=lambda: made.append(torch.ones(256, 1024)))  # 1 MiB, unseen op by op
+        worker.start()
+        worker.join()
+    assert (scope.result.peak, scope.result.retained) == (MiB, MiB)
+    assert any("another thread" in note for note in scope.result.notes)
+    assert "another thread" in str(scope.result)
+    with nbmem.track("cpu") as scope:
+        made.clear()  # its death is seen like any other
+    assert scope.result.retained == -MiB and not scope.result.notes
