@@ -263,9 +263,10 @@ def remove_global_hooks(tracker: "Tracker") -> None:
         for hook_id, hook in list(hooks.items()):
             owner = _owner_of(hook)
             if owner is not None and owner.tracker is tracker:
-                hooks.pop(hook_id, None)
-                # register_module_forward_hook(always_call=True) notes the id here too
+                # register_module_forward_hook(always_call=True) notes the id here too: out first,
+                # so that a repeat after an interrupt between the two still finds the hook
                 nn_module._global_forward_hooks_always_called.pop(hook_id, None)
+                hooks.pop(hook_id, None)
 
 
 def _remove_saved_tensors_hooks(attribution: Attribution) -> None:

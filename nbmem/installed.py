@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-__all__ = ["remove_last", "dispatch_modes", "remove_dispatch_modes", "watch_resizes", "unwatch_resizes", "resizes_watched_by"]
+__all__ = ["remove_every_tracker", "remove_last", "dispatch_modes", "remove_dispatch_modes", "watch_resizes", "unwatch_resizes", "resizes_watched_by"]
 
 
 def dispatch_modes(belongs: Callable[[TorchDispatchMode], bool]) -> list[TorchDispatchMode]:
@@ -114,3 +114,30 @@ def remove_last(holders: list[object], owner: object) -> None:
         if holders[index] is owner:
             del holders[index]
             return
+
+
+def remove_every_tracker() -> int:
+    """Take every tracker out of torch, whoever still holds it: ``%unload_ext nbmem``'s last step.
+
+    Trackers are found in torch's own state (the dispatch mode stack, the
+    global hook tables, the ``resize_`` watchers), so a scope that Ctrl-C cut
+    off from its ``stop()`` can't keep hooks on every model for the rest of
+    the session (issue 12). Returns how many trackers were still installed.
+
+    >>> remove_every_tracker()
+    0
+    """
+    from .categories import global_hooks
+
+    found: dict[int, Any] = {}
+    for mode in _get_current_dispatch_mode_stack():
+        if hasattr(getattr(mode, "tracker", None), "_uninstall"):  # a tracker's dispatch mode
+            found[id(mode.tracker)] = mode.tracker  # type: ignore[attr-defined]
+    for hook in global_hooks():
+        found[id(hook.__self__.tracker)] = hook.__self__.tracker
+    for tracker in list(_RESIZE_WATCHERS):
+        found[id(tracker)] = tracker
+    for tracker in found.values():
+        tracker._holders.clear()
+        tracker._uninstall()
+    return len(found)

@@ -33,12 +33,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from .counters import PeakScopes
 from .records import PeakDetail, Recording, StorageRecord, VirtualOOM, _parts, _virtual_device_is_full, rebuild_counters
-from .installed import remove_dispatch_modes, remove_last, unwatch_resizes, watch_resizes
+from .installed import remove_dispatch_modes, remove_every_tracker, remove_last, unwatch_resizes, watch_resizes
 from .live import walk
 from .results import CATEGORIES
 from .units import CUDA_BLOCK, round_allocation
 
-__all__ = ["Tracker", "default_tracker", "CATEGORIES", "StorageRecord", "PeakDetail", "Recording", "VirtualOOM"]
+__all__ = ["Tracker", "default_tracker", "remove_every_tracker", "CATEGORIES", "StorageRecord", "PeakDetail", "Recording", "VirtualOOM"]
 
 _Tensor = torch.Tensor
 # torch.tensor(data) builds its tensor outside the dispatcher and then hands it

@@ -220,3 +220,34 @@ def test_real_sigint_at_random_moments(training):
         signal.signal(signal.SIGINT, previous)
     assert interrupted > 0
     assert_next_cell_exact()
+
+
+def test_a_storage_freed_while_ctrl_c_is_pending_is_still_counted_as_freed():
+    # The weakref callback ran Python (Tracker._free): a KeyboardInterrupt landing
+    # there was printed as "Exception ignored", swallowed, and the storage stayed
+    # counted for the rest of the session. Now the callback is deque.append.
+    tracker = default_tracker("cpu")
+    with nbmem.track("cpu"):
+        doomed = torch.ones(256, 1024)  # 1 MiB
+    live = tracker.allocated()
+    unraisable: list[Any] = []
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    sys.settrace(_Interrupter(1))  # the first line of nbmem code that runs raises
+    try:
+        del doomed  # the storage dies here; no line of nbmem runs, so nothing can raise
+    finally:
+        sys.settrace(None)
+        sys.unraisablehook = hook
+    assert unraisable == []
+    assert tracker.allocated() == live - MiB  # 256 * 1024 * 4 bytes
+
+
+def test_unload_ext_removes_a_tracker_whose_scope_never_stopped(shell):
+    model = torch.nn.Linear(4, 4)
+    scope = nbmem.track("cpu").start()  # as if Ctrl-C landed before the cell's stop() began
+    model(torch.ones(1, 4)).sum().backward()
+    assert leftovers(model) != []
+    nbmem.unload_ipython_extension(shell)  # what %unload_ext nbmem calls
+    assert leftovers(model) == []
+    nbmem.load_ipython_extension(shell)  # the fixture unloads it again
+    del scope
