@@ -97,13 +97,20 @@ def walk(tracker: Any, adopt: bool, young: bool = False) -> None:
     covered = stamp is not None and tracker._walked == stamp
     tensors = live_tensors(young=young or covered)
     tracker._walked = None
+    refused = tracker._refused
+    for key in [key for key, ref in refused.items() if ref() is None]:
+        del refused[key]
     try:
         for tensor in tensors:
             try:
                 if tensor.is_meta or not tracker._on_device(tensor):
                     continue
-                if tensor.layout is torch.strided and tensor.untyped_storage().device.type == "meta":
-                    continue  # a fake tensor (an estimate's): it says "cpu", its storage holds nothing
+                if tensor.layout is torch.strided:
+                    storage = tensor.untyped_storage()
+                    if storage.device.type == "meta":
+                        continue  # a fake tensor (an estimate's): it says "cpu", its storage holds nothing
+                    if storage._cdata in refused:
+                        continue  # a virtual out-of-memory error refused it: it is on no device
             except (RuntimeError, NotImplementedError):
                 pass  # no storage of its own (sparse): _count counts its parts
             tracker._count(tensor, adopt=adopt)

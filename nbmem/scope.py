@@ -149,7 +149,7 @@ class MemoryScope:
             if tracker is not None:
                 was_active = tracker.active
                 tracker.activate(self)
-                if not was_active:
+                if not was_active and tracker.whole_device:
                     # the baseline: every storage alive now, touched by the block or not (with
                     # the hooks in, so that parameters found get their gradient hooks)
                     tracker.adopt_live()
@@ -218,7 +218,7 @@ class MemoryScope:
             seconds = time.perf_counter() - self._started
             unseen = 0
             refused = error is not None and issubclass(error if isinstance(error, type) else type(error), torch.OutOfMemoryError)
-            if tracker is counter and not refused:
+            if tracker is counter and tracker.whole_device and not refused:
                 # another thread's ops pass no dispatch mode of this thread: count what they left (issue 12).
                 # Not after a virtual out-of-memory error: the refused tensor exists on the CPU, held by
                 # the traceback, but was never allocated on the device.

@@ -101,7 +101,7 @@ class Tracker:
     0
     """
 
-    def __init__(self, device: str | torch.device = "cpu", *, block: int = CUDA_BLOCK) -> None:
+    def __init__(self, device: str | torch.device = "cpu", *, block: int = CUDA_BLOCK, whole_device: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type == "meta":
             raise ValueError("meta tensors hold no memory: track 'cpu' or a 'cuda:N' device instead")
@@ -121,6 +121,12 @@ class Tracker:
         #: (a communication backend's worker thread). A launched rank, whose
         #: whole step is tracked, counts only what it saw made (see nbmem.launch).
         self.adopt_unseen = True
+        #: Whether a scope's baseline is every storage alive on the device (a
+        #: default tracker: as a GPU counts, issue 12) or only what its ops touch
+        #: (a tracker of one's own: a fresh device, as estimates use).
+        self.whole_device = whole_device
+        # storages a virtual capacity refused (see _check_capacity), by key
+        self._refused: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._on_device = _device_test(self.device)
         self._storages: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.KeyedRef[int, torch.UntypedStorage]] = {}
@@ -312,16 +318,12 @@ class Tracker:
     # -- the baseline and repairs --------------------------------------------
 
     def adopt_live(self) -> int:
-        """Count every storage alive on the device now: the baseline of a scope about to open.
+        """Count every storage alive on the device now, touched or not (a scope's baseline; see :mod:`nbmem.live`).
 
-        Whether or not a cell touches it, a tensor alive when it starts is
-        memory in use, as the GPU allocator counts it (issue 12; see
-        :mod:`nbmem.live` for the cost). Parameters found get their gradient
-        hooks while the tracker is active, so a backward run in a cell of its
-        own still labels gradients "gradient". Returns the bytes newly adopted.
+        Parameters found get gradient hooks while the tracker is active, so a
+        backward in a cell of its own labels gradients. Returns the bytes adopted.
 
-        >>> tracker = Tracker("cpu")
-        >>> held = torch.ones(2048, 1024)          # 2048 * 1024 * 4 bytes = 8 MiB
+        >>> tracker, held = Tracker("cpu"), torch.ones(2048, 1024)   # 2048 * 1024 * 4 bytes = 8 MiB
         >>> tracker.adopt_live() >= 8 << 20, tracker.record_of(held).size
         (True, 8388608)
         """
@@ -333,20 +335,14 @@ class Tracker:
         return self._adopted - before
 
     def count_made_unseen(self) -> int:
-        """Count the tensors alive now that no op showed the tracker: made on another thread.
+        """Count live tensors no op showed the tracker (made on another thread) as allocated now; returns their bytes.
 
-        A dispatch mode sees only its own thread's ops (issue 12). Called
-        before a scope closes, after :meth:`adopt_live` found everything alive
-        when it opened: a storage found now and unknown was made during the
-        scope where the tracker could not see it. It counts as allocated now
-        (never against a virtual capacity: it already exists). Only young
-        objects are looked at, a bounded cost: one a collection moved to the
-        oldest generation during the scope is found by the next scope's walk.
-        Returns the bytes found.
+        Called before a scope closes, after :meth:`adopt_live` found everything
+        alive when it opened; never against a virtual capacity (they exist).
+        Young objects only, a bounded cost (see :func:`nbmem.live.walk`).
 
         >>> import threading
-        >>> tracker = Tracker("cpu"); _ = tracker.adopt_live()
-        >>> made = []
+        >>> tracker, made = Tracker("cpu"), []; _ = tracker.adopt_live()
         >>> with tracker:
         ...     worker = threading.Thread(target=lambda: made.append(torch.ones(256, 1024))); worker.start(); worker.join()
         >>> tracker.count_made_unseen()       # 256 * 1024 * 4 bytes = 1 MiB
@@ -363,14 +359,7 @@ class Tracker:
         return self._allocated - before
 
     def reconcile(self) -> None:
-        """Make the counters agree with the records again, after an interrupt cut an update short.
-
-        Each step of the accounting changes several counters one after the
-        other; Ctrl-C between two of them leaves them out of step. The records
-        are the truth: a record without its weak reference (or the reverse) is
-        dropped (a storage still alive is found again by :meth:`adopt_live`),
-        and the sums are taken again.
-        """
+        """Make the counters agree with the records again after Ctrl-C cut an update short (see rebuild_counters)."""
         self.drain()
         orphans, allocated, categories, modules = rebuild_counters(self._storages, self._refs)
         if orphans:
@@ -495,7 +484,7 @@ class Tracker:
             return
         size = round_allocation(storage.nbytes(), self.block)
         if not adopt:
-            self._check_capacity(size)
+            self._check_capacity(size, storage)
         module = self.current_module() if self._attribution is not None else None
         record = StorageRecord(size, -1 if adopt else self._op_index, None if adopt else self._op, module,
                                tuple(tensor.shape), tensor.dtype)
@@ -578,9 +567,13 @@ class Tracker:
         if self._attribution is not None:
             self._attribution.settle()
 
-    def _check_capacity(self, size: int) -> None:
+    def _check_capacity(self, size: int, storage: Any = None) -> None:
         __tracebackhide__ = True
         if self.capacity is not None and self._allocated + size > self.capacity:
+            if storage is not None:
+                # the refused tensor exists on the CPU, kept by the traceback, but a GPU never had it:
+                # walks for a baseline must not count it (see nbmem.live.walk)
+                self._refused[storage._cdata] = weakref.ref(storage)
             self.settle()
             self.last_oom = VirtualOOM(
                 request=size,
@@ -604,7 +597,7 @@ def _device_test(device: torch.device) -> Callable[[torch.Tensor], bool]:
 
 @functools.cache
 def _default_tracker(device: str) -> Tracker:
-    return Tracker(device)
+    return Tracker(device, whole_device=True)
 
 
 def default_tracker(device: str | torch.device = "cpu") -> Tracker:

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nbmem
+from nbmem.scope import MemoryScope
 from nbmem.tracking import Tracker, default_tracker
 
 MiB = 1024**2
@@ -333,3 +334,14 @@ def test_a_tensor_made_on_another_thread_is_counted_and_said():
     with nbmem.track("cpu") as scope:
         made.clear()  # its death is seen like any other
     assert scope.result.retained == -MiB and not scope.result.notes
+
+
+def test_a_tracker_of_ones_own_is_a_fresh_device_without_the_process_baseline():
+    held = torch.ones(2048, 1024)  # 8 MiB alive in the process, never touched below
+    with MemoryScope(tracker=Tracker("cpu")) as scope:  # as estimates run: a device of its own
+        made = torch.ones(256, 1024)
+    assert (scope.result.allocated_before, scope.result.retained) == (0, MiB)
+    with nbmem.track("cpu") as scope:  # the default tracker: the whole device, as a GPU counts it
+        pass
+    assert scope.result.allocated_before >= 8 * MiB + MiB
+    del held, made
