@@ -194,6 +194,7 @@ class MemoryScope:
             tracker.deactivate(self)
 
     def _close_scopes(self, scope: OpenScope, tracker_scope: OpenScope | None) -> None:
+        # self._scope is cleared last: a repeat after an interrupt finds the scopes again
         self._counter.scopes.close(scope)
         if tracker_scope is not None and self._tracker is not None:
             self._tracker.scopes.close(tracker_scope)
@@ -206,11 +207,11 @@ class MemoryScope:
         Whatever bytecode Ctrl-C lands on after the first line, the tracker is
         left inactive and every counter's scope closed, and the interrupt goes on.
         """
-        scope, tracker_scope = self._scope, self._tracker_scope
-        if scope is None:
-            raise RuntimeError("this MemoryScope is not running: call start() first")
-        counter, tracker = self._counter, self._tracker
-        try:
+        try:  # first: only an interrupt on this very line (a function's entry) can't be caught here
+            scope, tracker_scope = self._scope, self._tracker_scope
+            if scope is None:
+                raise RuntimeError("this MemoryScope is not running: call start() first")
+            counter, tracker = self._counter, self._tracker
             if tracker is not None and error is not None:
                 tracker.settle()
             if isinstance(counter, CudaCounter) and error is None:
@@ -230,9 +231,10 @@ class MemoryScope:
             return self.result
         except BaseException:
             # Ctrl-C in here: finish what it cut short (each step is idempotent), then let it through
-            self._close_scopes(scope, tracker_scope)
-            if tracker is not None:
-                tracker.reconcile()
+            if self._scope is not None:
+                self._close_scopes(self._scope, self._tracker_scope)
+            if self._tracker is not None:
+                self._tracker.reconcile()
             raise
 
     def _result(
