@@ -140,4 +140,5 @@ def remove_every_tracker() -> int:
     for tracker in found.values():
         tracker._holders.clear()
         tracker._uninstall()
+        tracker.scopes.close_above(0)  # the abandoned scope's figures
     return len(found)

@@ -350,13 +350,14 @@ class Tracker:
         """
         if not self.adopt_unseen:
             return 0
-        before = self._allocated
+        self.drain()
+        known = set(self._storages)
         capacity, self.capacity = self.capacity, None
         try:
             walk(self, adopt=False, young=True)
         finally:
             self.capacity = capacity
-        return self._allocated - before
+        return sum(record.size for key, record in self._storages.items() if key not in known)
 
     def reconcile(self) -> None:
         """Make the counters agree with the records again after Ctrl-C cut an update short (see rebuild_counters)."""

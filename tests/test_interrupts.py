@@ -252,7 +252,7 @@ def test_unload_ext_removes_a_tracker_whose_scope_never_stopped(shell):
     model(torch.ones(1, 4)).sum().backward()
     assert leftovers(model) != []
     nbmem.unload_ipython_extension(shell)  # what %unload_ext nbmem calls
-    assert leftovers(model) == []
+    assert leftovers(model) == [] and len(default_tracker("cpu").scopes) == 0
     nbmem.load_ipython_extension(shell)  # the fixture unloads it again
     del scope
 
