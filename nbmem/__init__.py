@@ -142,5 +142,9 @@ def unload_ipython_extension(ipython: Any) -> None:
         %reload_ext nbmem
     """
     from .magics import unload
+    from .tracking import remove_every_tracker
 
-    unload(ipython)
+    try:
+        unload(ipython)
+    finally:
+        remove_every_tracker()  # even one a Ctrl-C cut off from its scope's stop() (issue 12)

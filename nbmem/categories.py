@@ -30,7 +30,7 @@ from torch.optim import optimizer as optim_module
 if TYPE_CHECKING:  # pragma: no cover
     from .tracking import Tracker
 
-__all__ = ["Attribution", "top_level", "BACKWARD"]
+__all__ = ["Attribution", "top_level", "BACKWARD", "global_hooks", "remove_global_hooks", "saved_tensors_hooks_installed"]
 
 BACKWARD = "(backward)"
 
@@ -53,48 +53,82 @@ def _owner_path(module_name: str, path: str) -> str:
     return f"{module_name}.{path.rsplit('.', 1)[0]}" if "." in path else module_name
 
 
+#: torch's global hook tables that :meth:`Attribution.install` adds to.
+_GLOBAL_HOOKS: tuple[dict[int, Any], ...] = (
+    nn_module._global_forward_pre_hooks,
+    nn_module._global_forward_hooks,
+    nn_module._global_parameter_registration_hooks,
+    nn_module._global_buffer_registration_hooks,
+    optim_module._global_optimizer_pre_hooks,
+    optim_module._global_optimizer_post_hooks,
+)
+
+
+def _owner_of(hook: Any) -> "Attribution | None":
+    owner = getattr(hook, "__self__", None)
+    return owner if isinstance(owner, Attribution) else None
+
+
+def global_hooks(tracker: "Tracker | None" = None) -> list[Any]:
+    """nbmem's hooks in torch's global module and optimizer hook tables (``tracker``'s, or any)."""
+    return [
+        hook
+        for hooks in _GLOBAL_HOOKS
+        for hook in list(hooks.values())
+        if (owner := _owner_of(hook)) is not None and (tracker is None or owner.tracker is tracker)
+    ]
+
+
+def saved_tensors_hooks_installed() -> bool:
+    """Whether the innermost saved-tensors hooks are nbmem's."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return top is not None and _owner_of(top[0]) is not None
+
+
 class Attribution:
-    """The hooks that keep a tracker's categories and modules right (see the module docstring)."""
+    """The hooks that keep a tracker's categories and modules right (see the module docstring).
+
+    Installing and removing survive an interrupt at any bytecode (issue 12):
+    :meth:`remove` finds the hooks in torch's own tables rather than trusting
+    handles an interrupt may have lost, and is idempotent.
+    """
 
     def __init__(self, tracker: "Tracker") -> None:
         self.tracker = tracker
         self._running: list[str | None] = []  # top-level module of each forward in progress
         self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
-        self._handles: list[Any] = []
-        self._grad_hooks: dict[int, Any] = {}
+        # parameters that may carry this attribution's post-accumulate-grad
+        # hook, noted *before* the hook is registered, so remove() finds it
+        self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
         self._stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers inside step()
-        self._saved: Any = None
+        self._saved = False  # set before pushing the saved-tensors hooks, for the same reason
 
     # -- install / remove ----------------------------------------------------
 
     def install(self) -> None:
-        try:
-            self._handles += [
-                nn_module.register_module_forward_pre_hook(self._on_forward),
-                nn_module.register_module_forward_hook(self._on_forward_end, always_call=True),
-                nn_module.register_module_parameter_registration_hook(self._on_parameter),
-                nn_module.register_module_buffer_registration_hook(self._on_buffer),
-                optim_module.register_optimizer_step_pre_hook(self._on_step_begin),
-                optim_module.register_optimizer_step_post_hook(self._on_step_end),
-            ]
-            saved = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-            saved.__enter__()
-            self._saved = saved
-        except BaseException:
-            self.remove()
-            raise
+        """Install every hook; when interrupted, :meth:`remove` takes out what got in."""
+        nn_module.register_module_forward_pre_hook(self._on_forward)
+        nn_module.register_module_forward_hook(self._on_forward_end, always_call=True)
+        nn_module.register_module_parameter_registration_hook(self._on_parameter)
+        nn_module.register_module_buffer_registration_hook(self._on_buffer)
+        optim_module.register_optimizer_step_pre_hook(self._on_step_begin)
+        optim_module.register_optimizer_step_post_hook(self._on_step_end)
+        self._saved = True
+        torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
 
     def remove(self) -> None:
-        """Remove every hook this installed; safe to call more than once."""
-        if self._saved is not None:
-            saved, self._saved = self._saved, None
-            saved.__exit__(None, None, None)
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        for handle in self._grad_hooks.values():
-            handle.remove()
-        self._grad_hooks.clear()
+        """Remove every hook this installed; safe to call more than once, and to call again when interrupted."""
+        if self._saved:
+            _remove_saved_tensors_hooks(self)
+            self._saved = False
+        remove_global_hooks(self.tracker)
+        for key, ref in list(self._hooked.items()):
+            parameter = ref()
+            hooks = None if parameter is None else parameter._post_accumulate_grad_hooks
+            for hook_id, hook in list((hooks or {}).items()):
+                if getattr(hook, "__self__", None) is self:
+                    hooks.pop(hook_id, None)  # type: ignore[union-attr]
+            self._hooked.pop(key, None)
         self._running.clear()
 
     # -- names -----------------------------------------------------------------
@@ -146,8 +180,22 @@ class Attribution:
 
     def _parameter(self, parameter: torch.nn.Parameter, owner: str | None) -> None:
         self.tracker.classify(parameter, "parameter", owner)
-        if parameter.requires_grad and id(parameter) not in self._grad_hooks:
-            self._grad_hooks[id(parameter)] = parameter.register_post_accumulate_grad_hook(self._on_grad)
+        if parameter.requires_grad:
+            known = self._hooked.get(id(parameter))
+            if known is None or known() is not parameter:
+                self._hooked[id(parameter)] = weakref.ref(parameter)
+                parameter.register_post_accumulate_grad_hook(self._on_grad)
+
+    def adopt_parameter(self, parameter: torch.nn.Parameter) -> None:
+        """A parameter alive when a scope opens: a parameter, its ``.grad`` a gradient, its next grads hooked.
+
+        A backward run in a cell of its own, the forward in the cell before,
+        runs no module, so the forward hooks never meet these parameters.
+        """
+        owner = self._owner(parameter)
+        self._parameter(parameter, owner)
+        if parameter.grad is not None:
+            self.tracker.classify(parameter.grad, "gradient", owner)
 
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._running:
@@ -168,7 +216,8 @@ class Attribution:
         return None if record is None else record.module
 
     def _on_grad(self, parameter: torch.Tensor) -> None:
-        if parameter.grad is not None:
+        # a hook an interrupted removal left on a parameter does nothing
+        if parameter.grad is not None and self.tracker._attribution is self:
             self.tracker.classify(parameter.grad, "gradient", self._owner(parameter))
 
     def settle(self) -> None:
@@ -206,3 +255,30 @@ class Attribution:
 
 def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def remove_global_hooks(tracker: "Tracker") -> None:
+    """Take every hook of ``tracker``'s attributions out of torch's global tables (idempotent)."""
+    for hooks in _GLOBAL_HOOKS:
+        for hook_id, hook in list(hooks.items()):
+            owner = _owner_of(hook)
+            if owner is not None and owner.tracker is tracker:
+                # register_module_forward_hook(always_call=True) notes the id here too: out first,
+                # so that a repeat after an interrupt between the two still finds the hook
+                nn_module._global_forward_hooks_always_called.pop(hook_id, None)
+                hooks.pop(hook_id, None)
+
+
+def _remove_saved_tensors_hooks(attribution: Attribution) -> None:
+    """Pop ``attribution``'s saved-tensors hooks, leaving any pushed above them (a cell's own) in place."""
+    above: list[tuple[Any, Any]] = []
+    try:
+        while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+            if _owner_of(top[0]) is attribution:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                break
+            above.append(top)
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+    finally:
+        for pack, unpack in reversed(above):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)

@@ -97,9 +97,15 @@ class PeakScopes:
         if scope.closed:
             return scope
         self._fold()
-        self._open.remove(scope)
+        if scope in self._open:  # a close cut short by Ctrl-C may have removed it already
+            self._open.remove(scope)
         scope.closed = True
         return scope
+
+    def close_above(self, count: int) -> None:
+        """Close every scope opened after the first ``count`` (what an interrupted start opened)."""
+        for scope in self._open[count:]:
+            self.close(scope)
 
     def adopt(self, nbytes: int) -> None:
         """Add bytes that existed before every open scope began (found late).

@@ -205,7 +205,12 @@ def _figures(mode: str, where: torch.device) -> tuple[int, int | None]:
     if mode == "measured":
         counter = cuda_counter(where.index)
         return counter.allocated(), counter.reserved()
-    return default_tracker(where).allocated(), None
+    tracker = default_tracker(where)
+    if not tracker.active:
+        # every storage alive, as a cell's baseline counts it (issue 12), and counters an interrupt
+        # left out of step made whole again (adopt_live reconciles first)
+        tracker.adopt_live()
+    return tracker.allocated(), None
 
 
 # -- the last error -----------------------------------------------------------

@@ -8,8 +8,16 @@ not seen is counted at its size rounded as the CUDA allocator would round it,
 and a weak reference to the storage removes it again the moment it is freed;
 nbmem never keeps a tensor or storage alive.
 
-Storages made before tracking began are found when an operation uses them as
-input: they count as already allocated when the scope began ("adopted").
+Storages made before tracking began are found when a scope opens
+(:meth:`Tracker.adopt_live`, see :mod:`nbmem.live`) or when an operation uses
+them as input: they count as already allocated when the scope began ("adopted").
+
+Ctrl-C may land at any bytecode (issue 12). Installing and removing are all or
+nothing (see :mod:`nbmem.installed`); a storage's death is queued by a weakref
+callback that runs no Python code (``deque.append``), and counted before the
+next op, so an interrupt can never be swallowed inside it; and
+:meth:`Tracker.reconcile` rebuilds the counters from the records when an
+interrupt cut an update short.
 """
 
 from __future__ import annotations
@@ -17,25 +25,20 @@ from __future__ import annotations
 import collections
 import functools
 import heapq
-import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import (
-    TorchDispatchMode,
-    _get_current_dispatch_mode,
-    _pop_mode,
-    _push_mode,
-    is_traceable_wrapper_subclass,
-)
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .counters import PeakScopes
+from .records import PeakDetail, Recording, StorageRecord, VirtualOOM, _parts, _virtual_device_is_full, rebuild_counters
+from .installed import remove_dispatch_modes, remove_every_tracker, remove_last, unwatch_resizes, watch_resizes
+from .live import walk
 from .results import CATEGORIES
-from .units import CUDA_BLOCK, round_allocation, torch_format_size
+from .units import CUDA_BLOCK, round_allocation
 
-__all__ = ["Tracker", "default_tracker", "CATEGORIES", "StorageRecord", "PeakDetail", "Recording", "VirtualOOM"]
+__all__ = ["Tracker", "default_tracker", "remove_every_tracker", "CATEGORIES", "StorageRecord", "PeakDetail", "Recording", "VirtualOOM"]
 
 _Tensor = torch.Tensor
 # torch.tensor(data) builds its tensor outside the dispatcher and then hands it
@@ -82,46 +85,6 @@ _RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-class StorageRecord:
-    """What the tracker knows of one live (or, in a recording, past) storage."""
-
-    __slots__ = ("size", "category", "module", "born", "died", "op", "shape", "dtype")
-
-    def __init__(self, size: int, born: int, op: Any, module: str | None, shape: tuple[int, ...], dtype: Any) -> None:
-        self.size = size
-        self.category = "other"
-        self.module = module
-        self.born = born  # op index; -1 for storages made before tracking saw them
-        self.died: int | None = None
-        self.op = op
-        self.shape = shape
-        self.dtype = dtype
-
-
-class PeakDetail:
-    """Live bytes by category and by top-level module at the moment of a peak."""
-
-    __slots__ = ("op_index", "op", "module", "categories", "modules")
-
-    def __init__(
-        self, op_index: int, op: Any, module: str | None, categories: dict[str, int], modules: dict[str | None, int]
-    ) -> None:
-        self.op_index = op_index
-        self.op = op
-        self.module = module
-        self.categories = categories
-        self.modules = modules
-
-
-class Recording:
-    """Every storage alive during a stretch of ops, for a timeline of the stretch."""
-
-    def __init__(self, start: int, alive: list[StorageRecord]) -> None:
-        self.start = start
-        self.storages = alive
-        self.ops: list[Any] = []
-
-
 class Tracker:
     """Live bytes of the tensor storages on one device, with a running peak.
 
@@ -141,7 +104,7 @@ class Tracker:
     0
     """
 
-    def __init__(self, device: str | torch.device = "cpu", *, block: int = CUDA_BLOCK) -> None:
+    def __init__(self, device: str | torch.device = "cpu", *, block: int = CUDA_BLOCK, whole_device: bool = False) -> None:
         self.device = torch.device(device)
         if self.device.type == "meta":
             raise ValueError("meta tensors hold no memory: track 'cpu' or a 'cuda:N' device instead")
@@ -161,14 +124,22 @@ class Tracker:
         #: (a communication backend's worker thread). A launched rank, whose
         #: whole step is tracked, counts only what it saw made (see nbmem.launch).
         self.adopt_unseen = True
+        #: Whether a scope's baseline is every storage alive on the device (a
+        #: default tracker: as a GPU counts, issue 12) or only what its ops touch
+        #: (a tracker of one's own: a fresh device, as estimates use).
+        self.whole_device = whole_device
+        # storages a virtual capacity refused (see _check_capacity), by key
+        self._refused: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._on_device = _device_test(self.device)
         self._storages: dict[int, StorageRecord] = {}
-        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
-        # Storages that died on another thread (a communication backend's
-        # worker letting go of a collective's tensors), counted as freed before
-        # this thread's next op: the counters are only ever changed here.
-        self._thread = threading.get_ident()
-        self._foreign: collections.deque[tuple[int, weakref.ref[torch.UntypedStorage]]] = collections.deque()
+        self._refs: dict[int, weakref.KeyedRef[int, torch.UntypedStorage]] = {}
+        # Storages that died since the last op, on any thread, counted as freed
+        # before the next op (drain). The weakref callback is this deque's
+        # append, C code: no Python runs in it, so Ctrl-C can't land there and
+        # be swallowed as "Exception ignored" (issue 12); and a communication
+        # backend's worker thread letting go of a collective's tensors never
+        # changes the counters, which only this thread's drain does.
+        self._foreign: collections.deque[weakref.KeyedRef[int, torch.UntypedStorage]] = collections.deque()
         self._categories = dict.fromkeys(CATEGORIES, 0)
         self._modules: dict[str | None, int] = {}
         self._allocated = 0
@@ -183,7 +154,10 @@ class Tracker:
         self._recordings: list[Recording] = []
         self._mode: _TrackingMode | None = None
         self._attribution: Any = None
-        self._depth = 0
+        # the garbage collector's count when adopt_live last found every live tensor (see nbmem.live)
+        self._walked: tuple[int, int] | None = None
+        # who activated the tracker (a MemoryScope, None for a bare activate()): installed while any
+        self._holders: list[object] = []
         self.scopes = PeakScopes(self)
         # PyTorch wraps __torch_dispatch__ so that its first call imports
         # torch._dynamo (about a second): pay that here, not in a timed cell.
@@ -236,22 +210,27 @@ class Tracker:
 
     @property
     def live_storages(self) -> int:
+        self.drain()
         return len(self._storages)
 
     def by_category(self) -> dict[str, int]:
         """Live bytes per category now; the values sum to :meth:`allocated`."""
+        self.drain()
         return dict(self._categories)
 
     def by_module(self) -> dict[str | None, int]:
         """Live bytes per top-level module now (None: made outside any module)."""
+        self.drain()
         return {module: size for module, size in self._modules.items() if size}
 
     def largest(self, count: int = 10) -> list[tuple[int, StorageRecord]]:
         """The ``count`` largest live storages, as (storage key, record)."""
+        self.drain()
         return heapq.nlargest(count, self._storages.items(), key=lambda item: item[1].size)
 
     def storage_key(self, tensor: torch.Tensor) -> int | None:
         """The key under which ``tensor``'s storage is tracked, None if it is not."""
+        self.drain()  # a storage freed since the last op may have left its key to this one
         try:
             key = tensor.untyped_storage()._cdata
         except (RuntimeError, NotImplementedError):
@@ -266,37 +245,71 @@ class Tracker:
 
     @property
     def active(self) -> bool:
-        return self._depth > 0
+        return bool(self._holders)
 
-    def activate(self) -> None:
-        """Install the dispatch mode and attribution hooks on this thread (nested calls just count)."""
-        if self._depth == 0:
-            from .categories import Attribution
+    def activate(self, owner: object = None) -> None:
+        """Install the dispatch mode and attribution hooks on this thread (nested calls just count).
 
-            self._attribution = Attribution(self)
-            self._attribution.install()
-            self._mode = _TrackingMode(self)
-            try:
-                self._mode.__enter__()
-            except BaseException:
-                self._attribution.remove()
-                raise
-            _watch_resizes(self)
-        self._depth += 1
+        All or nothing: an interrupt at any bytecode leaves the tracker either
+        activated once more for ``owner`` or exactly as it was.
+        """
+        holders = self._holders
+        count = len(holders)
+        try:
+            if not holders:
+                self._uninstall()  # what two quick Ctrl-Cs may have left of an earlier activation
+                self._install()
+            holders.append(owner)
+        except BaseException:
+            del holders[count:]
+            if not holders:
+                self._uninstall()
+            raise
 
-    def deactivate(self) -> None:
-        """Undo one :meth:`activate`; the last one removes the dispatch mode and every hook."""
-        if self._depth == 0:
-            return
-        self._depth -= 1
-        if self._depth == 0 and self._mode is not None:
-            mode, self._mode = self._mode, None
-            attribution, self._attribution = self._attribution, None
-            try:
-                _remove_mode(mode)
-            finally:
-                _unwatch_resizes(self)
-                attribution.remove()
+    def deactivate(self, owner: object = None) -> None:
+        """Undo ``owner``'s :meth:`activate`; the last one removes the dispatch mode and every hook.
+
+        Idempotent for an owner (a second call finds nothing of it), and all or
+        nothing under an interrupt. With nothing active it still removes
+        anything an interrupted activation left behind.
+        """
+        holders = self._holders
+        count = len(holders)
+        try:
+            remove_last(holders, owner)
+            if not holders:
+                self._uninstall()
+        except BaseException:
+            if len(holders) == count:
+                remove_last(holders, owner)
+            if not holders:
+                self._uninstall()
+            raise
+
+    def _install(self) -> None:
+        from .categories import Attribution
+
+        # each piece is noted before it goes in, so _uninstall finds it whatever the interrupt cut short
+        self._attribution = Attribution(self)
+        self._attribution.install()
+        self._mode = _TrackingMode(self)
+        self._mode.__enter__()
+        watch_resizes(self)
+
+    def _uninstall(self) -> None:
+        """Remove all this tracker installed, looking at torch's own state; safe to repeat."""
+        from .categories import remove_global_hooks
+
+        remove_dispatch_modes(self._owns)
+        unwatch_resizes(self)
+        if self._attribution is not None:
+            self._attribution.remove()
+        remove_global_hooks(self)  # of an attribution an interrupted activation lost track of
+        self._attribution = None
+        self._mode = None
+
+    def _owns(self, mode: TorchDispatchMode) -> bool:
+        return isinstance(mode, _TrackingMode) and mode.tracker is self
 
     def __enter__(self) -> "Tracker":
         self.activate()
@@ -304,6 +317,61 @@ class Tracker:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.deactivate()
+
+    # -- the baseline and repairs --------------------------------------------
+
+    def adopt_live(self) -> int:
+        """Count every storage alive on the device now, touched or not (a scope's baseline; see :mod:`nbmem.live`).
+
+        Parameters found get gradient hooks while the tracker is active, so a
+        backward in a cell of its own labels gradients. Returns the bytes adopted.
+
+        >>> tracker, held = Tracker("cpu"), torch.ones(2048, 1024)   # 2048 * 1024 * 4 bytes = 8 MiB
+        >>> tracker.adopt_live() >= 8 << 20, tracker.record_of(held).size
+        (True, 8388608)
+        """
+        if not self.adopt_unseen:
+            return 0
+        self.reconcile()
+        before = self._adopted
+        walk(self, adopt=True)
+        return self._adopted - before
+
+    def count_made_unseen(self) -> int:
+        """Count live tensors no op showed the tracker (made on another thread) as allocated now; returns their bytes.
+
+        Called before a scope closes, after :meth:`adopt_live` found everything
+        alive when it opened; never against a virtual capacity (they exist).
+        Young objects only, a bounded cost (see :func:`nbmem.live.walk`).
+
+        >>> import threading
+        >>> tracker, made = Tracker("cpu"), []; _ = tracker.adopt_live()
+        >>> with tracker:
+        ...     worker = threading.Thread(target=lambda: made.append(torch.ones(256, 1024))); worker.start(); worker.join()
+        >>> tracker.count_made_unseen()       # 256 * 1024 * 4 bytes = 1 MiB
+        1048576
+        """
+        if not self.adopt_unseen:
+            return 0
+        self.drain()
+        known = set(self._storages)
+        capacity, self.capacity = self.capacity, None
+        try:
+            walk(self, adopt=False, young=True)
+        finally:
+            self.capacity = capacity
+        return sum(record.size for key, record in self._storages.items() if key not in known)
+
+    def reconcile(self) -> None:
+        """Make the counters agree with the records again after Ctrl-C cut an update short (see rebuild_counters)."""
+        self.drain()
+        orphans, allocated, categories, modules = rebuild_counters(self._storages, self._refs)
+        if orphans:
+            self._walked = None  # a storage dropped may be alive: the next walk must be whole to find it
+        if (allocated, categories, modules) != (self._allocated, self._categories, self.by_module()):
+            self._allocated, self._categories, self._modules = allocated, categories, modules
+            self._peak = max(self._peak, allocated)
+            self._peak_detail = None
 
     def current_module(self) -> str | None:
         """The top-level module running now (forward or backward), None outside modules."""
@@ -429,15 +497,19 @@ class Tracker:
             return
         if adopt and not self.adopt_unseen:
             return
+        if not storage.resizable():
+            # memory the allocator never gave: a NumPy array's, DLPack's (from_blob storages can't resize);
+            # torch.tensor(ndarray) wraps the array before copying it (issue 12)
+            return
         size = -(-storage.nbytes() // self.block) * self.block  # round_allocation, inline: once per new storage
         if not adopt and self.capacity is not None:
-            self._check_capacity(size)
+            self._check_capacity(size, storage)
         attribution = self._attribution
         module = attribution.current_module() if attribution is not None else None
         record = StorageRecord(size, -1 if adopt else self._op_index, None if adopt else self._op, module,
                                tuple(tensor.shape), tensor.dtype)
         self._storages[key] = record
-        self._refs[key] = weakref.ref(storage, functools.partial(self._free, key))
+        self._refs[key] = weakref.KeyedRef(storage, self._foreign.append, key)
         if self.simulator is not None:
             self.simulator.malloc(key, size)
         self._categories["other"] += size
@@ -488,18 +560,14 @@ class Tracker:
             self._peak_detail = None
             self._peak_op = (self._op_index, self._op, module)
 
-    def _free(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
-        if threading.get_ident() != self._thread:
-            self._foreign.append((key, ref))  # deque.append is atomic; counted by drain()
-            return
-        self._release(key, ref)
-
-    def _release(self, key: int, ref: weakref.ref[torch.UntypedStorage]) -> None:
+    def _release(self, key: int, ref: weakref.KeyedRef[int, torch.UntypedStorage]) -> None:
         if self._refs.get(key) is ref:
             if self._allocated == self._peak:
                 self._settle_peak()
-            del self._refs[key]
-            record = self._storages.pop(key)
+            del self._refs[key]  # first: a repeat after an interrupt does nothing (reconcile finishes it)
+            record = self._storages.pop(key, None)
+            if record is None:
+                return
             record.died = self._op_index
             if self.simulator is not None:
                 self.simulator.free(key)
@@ -508,18 +576,25 @@ class Tracker:
             self._modules[record.module] -= record.size
 
     def drain(self) -> None:
-        """Count the storages that died on other threads since the last op as freed."""
-        while self._foreign:
-            self._release(*self._foreign.popleft())
+        """Count the storages that died since the last op as freed."""
+        dead = self._foreign
+        while dead:
+            ref = dead[0]
+            self._release(ref.key, ref)
+            dead.popleft()  # after: an interrupted release is done again, harmlessly
 
     def settle(self) -> None:
         """Name what code interrupted by an error has made (see Attribution.settle)."""
         if self._attribution is not None:
             self._attribution.settle()
 
-    def _check_capacity(self, size: int) -> None:
+    def _check_capacity(self, size: int, storage: Any = None) -> None:
         __tracebackhide__ = True
         if self.capacity is not None and self._allocated + size > self.capacity:
+            if storage is not None:
+                # the refused tensor exists on the CPU, kept by the traceback, but a GPU never had it:
+                # walks for a baseline must not count it (see nbmem.live.walk)
+                self._refused[storage._cdata] = weakref.ref(storage)
             self.settle()
             self.last_oom = VirtualOOM(
                 request=size,
@@ -531,100 +606,6 @@ class Tracker:
                 module=self.current_module(),
             )
             _virtual_device_is_full(self.last_oom)
-
-
-def _virtual_device_is_full(oom: "VirtualOOM") -> None:
-    # IPython always shows the frame that raises, so it is this one: the op in
-    # the frame above tried to allocate more than the virtual device has left.
-    raise torch.OutOfMemoryError(oom.message())
-
-
-@dataclass(frozen=True)
-class VirtualOOM:
-    """An allocation that did not fit a virtual device's capacity."""
-
-    request: int
-    allocated: int
-    capacity: int
-    label: str
-    device: str
-    op: Any = None
-    module: str | None = None
-
-    def message(self) -> str:
-        """The error text, in PyTorch's own format (c10/cuda/CUDACachingAllocator.cpp), then nbmem's note."""
-        free = max(self.capacity - self.allocated, 0)
-        name = f" ({self.label})" if self.label else ""
-        return (
-            f"CUDA out of memory. Tried to allocate {torch_format_size(self.request)}. GPU 0 has a total capacity of "
-            f"{torch_format_size(self.capacity)} of which {torch_format_size(free)} is free. Of the allocated memory "
-            f"{torch_format_size(self.allocated)} is allocated by PyTorch. "
-            f"[nbmem: virtual device{name}, tracked on {self.device}; no CUDA memory was used. "
-            f"The op was {self.op}{' in ' + self.module if self.module else ''}.]"
-        )
-
-
-def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors that hold the memory of a tensor without a storage of its own.
-
-    A sparse tensor's are its index and value tensors; a wrapper subclass's
-    (a DTensor, as FSDP2's sharded parameters are) its inner tensors, e.g.
-    the local shard. Nested tensors and other layouts: none.
-    """
-    layout = tensor.layout
-    if layout is torch.sparse_coo:
-        return (tensor._indices(), tensor._values())
-    if layout in (torch.sparse_csr, torch.sparse_bsr):
-        return (tensor.crow_indices(), tensor.col_indices(), tensor.values())
-    if layout in (torch.sparse_csc, torch.sparse_bsc):
-        return (tensor.ccol_indices(), tensor.row_indices(), tensor.values())
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return tuple(inner for inner in (getattr(tensor, name) for name in names) if isinstance(inner, torch.Tensor))
-    return ()
-
-
-#: Trackers active now, told of every ``UntypedStorage.resize_`` while any is.
-_RESIZE_WATCHERS: list[Tracker] = []
-_ORIGINAL_RESIZE = torch.UntypedStorage.resize_
-
-
-def _resize_and_tell(storage: Any, size: int) -> Any:
-    """``UntypedStorage.resize_`` while tracking: a storage-level resize is no dispatched op, so no mode sees it."""
-    result = _ORIGINAL_RESIZE(storage, size)
-    for tracker in _RESIZE_WATCHERS:
-        tracker.storage_resized(storage)
-    return result
-
-
-def _watch_resizes(tracker: Tracker) -> None:
-    if not _RESIZE_WATCHERS:
-        torch.UntypedStorage.resize_ = _resize_and_tell  # type: ignore[method-assign, assignment]  # torch types resize_ with two selves
-    _RESIZE_WATCHERS.append(tracker)
-
-
-def _unwatch_resizes(tracker: Tracker) -> None:
-    if tracker in _RESIZE_WATCHERS:
-        _RESIZE_WATCHERS.remove(tracker)
-    if not _RESIZE_WATCHERS:
-        torch.UntypedStorage.resize_ = _ORIGINAL_RESIZE  # type: ignore[method-assign]
-
-
-def _remove_mode(mode: TorchDispatchMode) -> None:
-    """Take ``mode`` off this thread's dispatch stack, leaving any mode above it in place.
-
-    Code in a tracked cell may enter a dispatch mode and never leave it; popping
-    the top would then remove theirs. Lift those off, remove ours, put them back.
-    """
-    above = []
-    while (top := _get_current_dispatch_mode()) is not None and top is not mode:
-        above.append(_pop_mode())
-    try:
-        if top is mode:
-            mode.__exit__(None, None, None)
-    finally:
-        for other in reversed(above):
-            _push_mode(other)
 
 
 def _device_test(device: torch.device) -> Callable[[torch.Tensor], bool]:
@@ -639,7 +620,7 @@ def _device_test(device: torch.device) -> Callable[[torch.Tensor], bool]:
 
 @functools.cache
 def _default_tracker(device: str) -> Tracker:
-    return Tracker(device)
+    return Tracker(device, whole_device=True)
 
 
 def default_tracker(device: str | torch.device = "cpu") -> Tracker:

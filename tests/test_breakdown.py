@@ -167,3 +167,24 @@ def test_capacity_presets_and_bad_capacities():
 
 def test_breakdown_categories_are_the_documented_ones():
     assert CATEGORIES == ("parameter", "buffer", "optimizer state", "gradient", "activation", "other")
+
+
+def test_gradients_of_a_backward_in_a_scope_of_its_own_are_gradients():
+    # issue 12: forward in one cell, backward in the next; no module runs in the second
+    def on_device() -> dict[str, int]:  # bytes per category of everything alive (other tests' too)
+        with nbmem.track("cpu") as empty:
+            pass
+        return dict(empty.result.breakdown.after)
+
+    before = on_device()
+    model = torch.nn.Linear(256, 256)  # weight 256 * 256 * 4 = 262144 B, bias 1024 B
+    loss = model(torch.randn(8, 256)).sum()
+    with nbmem.track("cpu") as scope:
+        loss.backward()
+    after = dict(scope.result.breakdown.after)
+    assert after["gradient"] - before["gradient"] == 262144 + 1024
+    assert after["parameter"] - before["parameter"] == 262144 + 1024
+    with nbmem.track("cpu") as scope:
+        model.weight.grad.mul_(2)  # a gradient made before the scope is still one
+    assert dict(scope.result.breakdown.after)["gradient"] - before["gradient"] == 262144 + 1024
+    del loss
