@@ -260,14 +260,17 @@ class GpuMemMagics(Magics):
             capacity=args.capacity,
             timeline=args.timeline,
         )
-        scope.start()
+        # start and stop inside the try: Ctrl-C between scope.start() returning and the try, or on
+        # the line that calls stop(), would otherwise leave the tracker installed (issue 12)
         try:
+            scope.start()
             exec(body, namespace)
             value = eval(last, namespace) if last is not None else None
+            result = scope.stop()
         except BaseException as error:
-            self._report(scope.stop(error), args, scope, error)
+            if scope.running:
+                self._report(scope.stop(error), args, scope, error)
             raise
-        result = scope.stop()
         # IPython drops what the magic returns after a trailing `;` (output_can_be_silenced): with -o
         # the report is then the only sign of the result, so it shows
         silenced = DisplayHook.semicolon_at_end_of_expression(cell)

@@ -321,3 +321,41 @@ def test_an_interrupt_at_every_line_of_the_install_and_remove_paths(training):
         assert leftovers(model) == [], f"after an interrupt at {where}"
         assert_consistent(tracker)
     assert_next_cell_exact()
+
+
+def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
+    """``%%gpumem``'s own lines, each interrupted once: the scope is started and stopped inside one
+    try, so Ctrl-C just after start() returns, or on the line that calls stop(), leaves nothing."""
+    shell.user_ns.update(torch=torch, model=(model := torch.nn.Linear(8, 8)))
+    cell = "y = model(torch.ones(4, 8)).sum()\ny.backward()\nmodel.zero_grad(set_to_none=True)\ny"
+    run = lambda: shell.run_cell_magic("gpumem", "-q", cell)  # noqa: E731
+    run()
+    lines: list[tuple[str, int]] = []
+
+    def note(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != os.path.join(NBMEM, "magics.py") or frame.f_code.co_name != "_measure_cell":
+            return None
+
+        def line(frame: Any, event: str, arg: Any) -> Any:
+            if event == "line" and (frame.f_code.co_name, frame.f_lineno) not in lines:
+                lines.append((frame.f_code.co_name, frame.f_lineno))
+            return line
+
+        return line
+
+    sys.settrace(note)
+    try:
+        run()
+    finally:
+        sys.settrace(None)
+    assert len(lines) > 15
+    for where in lines:
+        sys.settrace(_AtLine(where))
+        try:
+            run()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert leftovers(model) == [], f"after an interrupt at magics.{where[0]} line {where[1]}"
+    assert_next_cell_exact()
