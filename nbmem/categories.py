@@ -21,14 +21,26 @@ it, whatever the cell does. It tells the tracker:
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .tracking import Tracker
+
+
+class Accounts(Protocol):
+    """What attribution needs of a tracker (:class:`nbmem.tracking.Tracker` is one).
+
+    A protocol rather than an import: the tracker installs an Attribution, so
+    this module sits below nbmem.tracking and must not import it.
+    """
+
+    _attribution: Any
+
+    def classify(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None: ...
+
+    def record_of(self, tensor: torch.Tensor) -> Any: ...
 
 __all__ = ["Attribution", "top_level", "BACKWARD", "global_hooks", "remove_global_hooks", "saved_tensors_hooks_installed"]
 
@@ -69,7 +81,7 @@ def _owner_of(hook: Any) -> "Attribution | None":
     return owner if isinstance(owner, Attribution) else None
 
 
-def global_hooks(tracker: "Tracker | None" = None) -> list[Any]:
+def global_hooks(tracker: "Accounts | None" = None) -> list[Any]:
     """nbmem's hooks in torch's global module and optimizer hook tables (``tracker``'s, or any)."""
     return [
         hook
@@ -93,7 +105,7 @@ class Attribution:
     handles an interrupt may have lost, and is idempotent.
     """
 
-    def __init__(self, tracker: "Tracker") -> None:
+    def __init__(self, tracker: Accounts) -> None:
         self.tracker = tracker
         self._running: list[str | None] = []  # top-level module of each forward in progress
         self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
@@ -257,7 +269,7 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def remove_global_hooks(tracker: "Tracker") -> None:
+def remove_global_hooks(tracker: Accounts) -> None:
     """Take every hook of ``tracker``'s attributions out of torch's global tables (idempotent)."""
     for hooks in _GLOBAL_HOOKS:
         for hook_id, hook in list(hooks.items()):

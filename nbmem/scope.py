@@ -18,6 +18,7 @@ import torch
 from .counters import CudaCounter, OpenScope, cuda_counter
 from .results import CATEGORIES, Breakdown, MemoryResult
 from .units import format_bytes
+from .timeline import op_name
 from .tracking import Recording, Tracker, default_tracker
 
 __all__ = ["MemoryScope", "measure", "track", "resolve_backend", "BACKENDS"]
@@ -316,14 +317,6 @@ def _breakdown(scope: OpenScope, tracker: Tracker) -> Breakdown | None:
         op=op_name(detail.op),
         module=detail.module,
     )
-
-
-def op_name(op: Any) -> str | None:
-    """``aten.addmm.default`` -> ``aten.addmm``: the op as a user would look it up."""
-    if op is None:
-        return None
-    name = str(op)
-    return name[: -len(".default")] if name.endswith(".default") else name
 
 
 def measure(

@@ -20,7 +20,7 @@ from typing import Any
 from .results import CATEGORIES
 from .tracking import Recording
 
-__all__ = ["Timeline", "build_timeline"]
+__all__ = ["Timeline", "build_timeline", "op_name"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,6 @@ class Timeline:
 
 def build_timeline(recording: Recording, end: int, *, points: int = 2000, module: str | None = None) -> Timeline:
     """The timeline of ``recording``, which ran until op index ``end`` (the tracker's count)."""
-    from .scope import op_name
-
     start = recording.start
     count = max(end - start, 0)
     # one more slot than ops: index 0 is the moment before the first op
@@ -116,3 +114,11 @@ def _downsample(totals: list[int], points: int, peak_index: int) -> list[int]:
         chosen.add(max(range(low, max(high, low + 1)), key=totals.__getitem__))
     chosen.add(peak_index)
     return sorted(chosen)
+
+
+def op_name(op: Any) -> str | None:
+    """``aten.addmm.default`` -> ``aten.addmm``: the op as a user would look it up."""
+    if op is None:
+        return None
+    name = str(op)
+    return name[: -len(".default")] if name.endswith(".default") else name

@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .counters import PeakScopes
+from .dispatch import TrackingMode
 from .records import PeakDetail, Recording, StorageRecord, VirtualOOM, _parts, _virtual_device_is_full, rebuild_counters
 from .installed import remove_dispatch_modes, remove_every_tracker, remove_last, unwatch_resizes, watch_resizes
 from .live import walk
@@ -41,46 +42,6 @@ from .units import CUDA_BLOCK, round_allocation
 __all__ = ["Tracker", "default_tracker", "remove_every_tracker", "CATEGORIES", "StorageRecord", "PeakDetail", "Recording", "VirtualOOM"]
 
 _Tensor = torch.Tensor
-# torch.tensor(data) builds its tensor outside the dispatcher and then hands it
-# to lift_fresh: the storage is new although it is also the op's input.
-_FRESH = {torch.ops.aten.lift_fresh.default}
-
-
-class _TrackingMode(TorchDispatchMode):
-    """Reports every op's inputs and outputs to its tracker; changes nothing."""
-
-    def __init__(self, tracker: "Tracker") -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        # nbmem's frames stay out of tracebacks: a virtual out-of-memory error
-        # should read like CUDA's, ending at the user's op
-        __tracebackhide__ = True
-        tracker = self.tracker
-        if tracker._foreign:
-            tracker.drain()
-        tracker._op_index += 1
-        tracker._op = func
-        if tracker._recordings:
-            for recording in tracker._recordings:
-                recording.ops.append(func)
-        if func not in _FRESH:
-            tracker._adopt_all(args)
-            if kwargs:
-                tracker._adopt_all(kwargs.values())
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        if tracker._foreign:  # freed while the op ran: before its outputs, which may reuse the storage's place
-            tracker.drain()
-        if isinstance(out, _Tensor):  # most ops: one tensor out, counted without the walk through _note
-            tracker._count(out, False)
-        elif isinstance(out, (tuple, list)):
-            tracker._note(out)
-        return out
-
-
 _RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -152,7 +113,7 @@ class Tracker:
         self._op_index = 0
         self._op: Any = None
         self._recordings: list[Recording] = []
-        self._mode: _TrackingMode | None = None
+        self._mode: TrackingMode | None = None
         self._attribution: Any = None
         # the garbage collector's count when adopt_live last found every live tensor (see nbmem.live)
         self._walked: tuple[int, int] | None = None
@@ -161,7 +122,7 @@ class Tracker:
         self.scopes = PeakScopes(self)
         # PyTorch wraps __torch_dispatch__ so that its first call imports
         # torch._dynamo (about a second): pay that here, not in a timed cell.
-        with _TrackingMode(self):
+        with TrackingMode(self):
             torch.empty(0)
 
     # -- the peak-counter protocol ----------------------------------------
@@ -292,7 +253,7 @@ class Tracker:
         # each piece is noted before it goes in, so _uninstall finds it whatever the interrupt cut short
         self._attribution = Attribution(self)
         self._attribution.install()
-        self._mode = _TrackingMode(self)
+        self._mode = TrackingMode(self)
         self._mode.__enter__()
         watch_resizes(self)
 
@@ -309,7 +270,7 @@ class Tracker:
         self._mode = None
 
     def _owns(self, mode: TorchDispatchMode) -> bool:
-        return isinstance(mode, _TrackingMode) and mode.tracker is self
+        return isinstance(mode, TrackingMode) and mode.tracker is self
 
     def __enter__(self) -> "Tracker":
         self.activate()
