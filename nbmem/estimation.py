@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .autocast_policy import AUTOCAST_POLICIES, CudaAutocastPolicy
 from .building import (
     FAKE_ERRORS,
     apply_precision_and_checkpointing,
@@ -209,6 +210,7 @@ def estimate(
     world_size: int = 1,
     global_batch_size: int | None = None,
     rank: int = 0,
+    autocast_policy: str = "cuda",
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -234,6 +236,12 @@ def estimate(
     GPU; or give ``global_batch_size``, which must divide into ``world_size``
     x ``accumulation``. Real runs of a strategy: :func:`nbmem.launch`.
 
+    ``precision="bf16"``/``"fp16"`` autocast follows CUDA's op lists
+    (``autocast_policy="cuda"``, :mod:`nbmem.autocast_policy`), also in a
+    tracked run, whose CPU kernels then compute in the dtypes CUDA would
+    choose; ``autocast_policy="cpu"`` keeps CPU autocast's own lists. A
+    measured run uses CUDA's autocast itself.
+
     >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
     >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
@@ -242,6 +250,10 @@ def estimate(
     """
     batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
     _check(batch_size, precision, optimizer, accumulation)
+    if autocast_policy not in AUTOCAST_POLICIES:
+        raise ValueError(f"unknown autocast_policy {autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)")
+    autocast = precision in ("bf16", "fp16") and mode != "measured"
+    policy = CudaAutocastPolicy() if autocast and autocast_policy == "cuda" else None
     run_on = _run_device(mode)
     capacity = label = None
     if device is not None:
@@ -286,10 +298,11 @@ def estimate(
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
             )
             scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
-            step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on)
+            step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on,
+                                     autocast_region=policy.region if policy is not None else torch.autocast)
             peaks, reserved, breakdowns = [], [], []
             for _ in range(2):
-                with scope() as one:
+                with scope() as one, policy if policy is not None else contextlib.nullcontext():
                     step()
                 result = one.result
                 # set when the scope closed; a tracker (tracked, or breakdown=True) made the breakdown
@@ -305,9 +318,15 @@ def estimate(
             "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
             "%%gpumem --backend tracked"
         ) from error
-    if precision in ("bf16", "fp16") and mode != "measured":
+    if policy is not None:
         notes.append(
-            "autocast follows PyTorch's CPU op lists here; CUDA's lists differ for some ops "
+            f"autocast follows CUDA's op lists (aten/src/ATen/autocast_mode.cpp, torch {torch.__version__.split('+')[0]}) "
+            "on the CPU: layer norm, softmax, exp, sums and losses in fp32, matmuls and convolutions in "
+            f"{precision}, each weight cast once per forward"
+        )
+    elif autocast:
+        notes.append(
+            "autocast follows PyTorch's CPU op lists (autocast_policy='cpu'); CUDA's lists differ for some ops "
             "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
         )
     if mode == "measured":
