@@ -32,13 +32,13 @@ torch.float16
 from __future__ import annotations
 
 import contextlib
-import threading
-import warnings
 import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn  # noqa: F401  (the doctest's namespace)
+
+from .kernels import ScopedKernels
 
 __all__ = ["CUDA_POLICY", "CPU_LOWER_PRECISION", "CudaAutocastPolicy", "AUTOCAST_POLICIES"]
 
@@ -114,9 +114,6 @@ CPU_LOWER_PRECISION = frozenset(
     }
 )
 
-# torch.library registrations are process-wide: one policy at a time (a second would override the first's kernels).
-_ONE_AT_A_TIME = threading.Lock()
-
 # CUDA's error for the banned op, word for word (autocast_mode.cpp, binary_cross_entropy_banned).
 _BANNED_MESSAGE = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -136,63 +133,56 @@ def registered_ops(dispatch_key: str) -> set[str]:
     }
 
 
-class CudaAutocastPolicy:
+class CudaAutocastPolicy(ScopedKernels):
     """While active, CPU autocast follows CUDA's op lists (a context manager; see the module's docstring).
 
     ``region(device_type, dtype=...)`` is the autocast region of a step: it
     enters ``torch.autocast`` and, on leaving, drops the casts cached for the
     ops this policy casts itself (PyTorch clears its own cache there too).
     Those ops (RNN cells, einsum, mv, addmv, addr) cast a weight once per
-    region, as CUDA does; inside activation checkpointing's recomputation their
-    cached casts live until the policy's region or context ends.
+    region, as CUDA does. Activation checkpointing recomputes a block under an
+    autocast of its own, outside any region: there they cast a weight at each
+    use (CUDA would cache it for the block), rather than keep casts alive past
+    the block.
     """
 
     def __init__(self) -> None:
-        self._library: Any = None
+        super().__init__()
         # the casts of leaf weights, CUDA's cached_cast: id -> (weak reference to the source, the cast)
         self._cache: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+        self._regions = 0  # how many regions are open: casts are cached only inside one
 
     def __enter__(self) -> CudaAutocastPolicy:
-        if not _ONE_AT_A_TIME.acquire(blocking=False):
-            raise RuntimeError("a CUDA autocast policy is already active in this process; nest the steps, not the policies")
-        try:
-            self._library = torch.library.Library("aten", "IMPL")
-            with warnings.catch_warnings():
-                # "Overriding a previously registered kernel": that is the point, and it is undone on exit
-                warnings.simplefilter("ignore", UserWarning)
-                for name, policy in CUDA_POLICY.items():
-                    if policy == _LOWER and name in CPU_LOWER_PRECISION:
-                        continue
-                    if name.startswith("cudnn_"):
-                        continue  # CUDA-only kernels: never reached from a CPU tensor
-                    self._library.impl(name, self._kernel(name, policy), "AutocastCPU")
-                for name in registered_ops("AutocastCPU") - CUDA_POLICY.keys():
-                    self._library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
-        except BaseException:
-            self._release()
-            raise
-        return self
+        entered: CudaAutocastPolicy = super().__enter__()
+        return entered
 
-    def __exit__(self, *exc_info: object) -> None:
-        self._release()
+    def register(self, library: torch.library.Library) -> None:
+        # an older torch may lack an op of 2.13's lists: it can't be called there either
+        existing = {name.removeprefix("aten::") for name in torch._C._dispatch_get_all_op_names()}
+        for name, policy in CUDA_POLICY.items():
+            if (policy == _LOWER and name in CPU_LOWER_PRECISION) or name not in existing:
+                continue
+            if name.startswith("cudnn_"):
+                continue  # CUDA-only kernels: never reached from a CPU tensor
+            library.impl(name, self._kernel(name, policy), "AutocastCPU")
+        for name in registered_ops("AutocastCPU") - CUDA_POLICY.keys():
+            library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
 
     def _release(self) -> None:
         self._cache.clear()
-        try:
-            if self._library is not None:
-                self._library._destroy()  # every registration undone: CPU autocast is PyTorch's again
-        finally:
-            self._library = None
-            _ONE_AT_A_TIME.release()
+        super()._release()
 
     @contextlib.contextmanager
     def region(self, device_type: str, dtype: torch.dtype) -> Iterator[None]:
         """``torch.autocast(device_type, dtype=dtype)``; this policy's weight casts are dropped on leaving it."""
+        self._regions += 1
         try:
             with torch.autocast(device_type, dtype=dtype):
                 yield
         finally:
-            self._cache.clear()
+            self._regions -= 1
+            if not self._regions:
+                self._cache.clear()
 
     def _kernel(self, name: str, policy: str) -> Callable[..., Any]:
         op_name, _, overload = name.partition(".")
@@ -253,8 +243,8 @@ class CudaAutocastPolicy:
             return value
         # Apex's heuristic, as CUDA does it: cache low-precision casts of fp32 leaf weights, once per region
         if (
-            dtype == torch.get_autocast_dtype("cpu") and value.dtype == torch.float32 and value.requires_grad
-            and value.is_leaf and not value._is_view()
+            self._regions and dtype == torch.get_autocast_dtype("cpu") and value.dtype == torch.float32
+            and value.requires_grad and value.is_leaf and not value._is_view()
         ):
             hit = self._cache.get(id(value))
             if hit is not None and hit[0]() is value:

@@ -154,6 +154,11 @@ def test_a_leaf_weight_is_cast_once_per_region_and_not_kept_after() -> None:
     # (256 * 2 = 512), each one 512 B block; uncached it would be 3 * 131072 + 3072 = 396288
     assert scope.result.peak == 131072 + 3 * (512 + 512)
     assert scope.result.retained == 0  # the cache let go of the cast when the region ended
+    # outside a region (checkpointing's recomputation enters autocast by itself) nothing is cached: no cast
+    # outlives the block that made it
+    with policy, torch.autocast("cpu", dtype=torch.bfloat16):
+        outputs = [torch.mv(weight, vector) for _ in range(2)]
+    assert len({output.grad_fn.next_functions[0][0] for output in outputs}) == 2
 
 
 def test_an_estimate_follows_cuda_for_layer_norm() -> None:
