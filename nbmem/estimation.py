@@ -26,6 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .attention import FusedAttention
 from .autocast_policy import AUTOCAST_POLICIES, CudaAutocastPolicy
 from .building import (
     FAKE_ERRORS,
@@ -254,6 +255,7 @@ def estimate(
         raise ValueError(f"unknown autocast_policy {autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)")
     autocast = precision in ("bf16", "fp16") and mode != "measured"
     policy = CudaAutocastPolicy() if autocast and autocast_policy == "cuda" else None
+    attention = FusedAttention() if mode != "measured" else None
     run_on = _run_device(mode)
     capacity = label = None
     if device is not None:
@@ -286,12 +288,12 @@ def estimate(
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole:
+        with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on)
             block = repeated_blocks(network)
             chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
-            optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
+            optimizer_kwargs = _target_optimizer_kwargs(optimizer, foreach, mode, notes)
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
@@ -301,8 +303,11 @@ def estimate(
             step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision, accumulation, run_on,
                                      autocast_region=policy.region if policy is not None else torch.autocast)
             peaks, reserved, breakdowns = [], [], []
+            for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
+                if rule is not None:
+                    target_rules.enter_context(rule)
             for _ in range(2):
-                with scope() as one, policy if policy is not None else contextlib.nullcontext():
+                with scope() as one:
                     step()
                 result = one.result
                 # set when the scope closed; a tracker (tracked, or breakdown=True) made the breakdown
@@ -329,6 +334,8 @@ def estimate(
             "autocast follows PyTorch's CPU op lists (autocast_policy='cpu'); CUDA's lists differ for some ops "
             "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
         )
+    if attention is not None:
+        notes += attention.notes(steps=2)
     if mode == "measured":
         notes.append(
             "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "
@@ -359,6 +366,35 @@ def estimate(
         rank=rank,
         notes=tuple(notes),
     )
+
+
+def _target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str]) -> dict[str, Any]:
+    """The optimizer's implementation on the GPU the estimate is for, named in ``notes``.
+
+    On CUDA, torch.optim's built-in optimizers default to the foreach
+    implementation when neither ``foreach`` nor ``fused`` is given: all
+    parameters are plain tensors, parameters or DTensors on a foreach device,
+    and "cpu" is not one (torch/optim/optimizer.py _default_to_fused_or_foreach;
+    fused is never the default). Foreach holds temporaries for a whole
+    parameter group at once (Adam's sqrt of the second moments), so on fake CPU
+    tensors, which default to the per-tensor loop, nbmem asks for it. CPU's
+    foreach ops loop per tensor (foreach_tensor_*_slow) but allocate the same
+    list of outputs as CUDA's fast path, so the peak is CUDA's.
+    """
+    if foreach is not None:
+        notes.append(f"optimizer: foreach={foreach}, as asked")
+        return {"foreach": foreach}
+    if not isinstance(optimizer, str):
+        notes.append("optimizer: your factory's own defaults (built-in optimizers default to foreach on CUDA)")
+        return {}
+    if mode == "measured":
+        notes.append(f"optimizer: {optimizer} with CUDA's default, the foreach implementation")
+        return {}
+    notes.append(
+        f"optimizer: {optimizer} with the foreach implementation, CUDA's default (on a CPU PyTorch would loop "
+        "tensor by tensor); pass foreach=False for the per-tensor loop"
+    )
+    return {"foreach": True}
 
 
 def _real_rank(parallel: str) -> int:
