@@ -26,6 +26,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .attention import FusedAttention
+from .autocast_policy import AUTOCAST_POLICIES, CudaAutocastPolicy
 from .building import (
     FAKE_ERRORS,
     apply_precision_and_checkpointing,
@@ -223,6 +225,7 @@ def estimate(
     global_batch_size: int | None = None,
     rank: int = 0,
     step: Callable[..., Any] | None = None,
+    autocast_policy: str = "cuda",
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -265,6 +268,12 @@ def estimate(
     unset. On fake tensors nothing has a value: guard ``loss.item()`` with
     ``if not nbmem.estimating():``.
 
+    ``precision="bf16"``/``"fp16"`` autocast follows CUDA's op lists
+    (``autocast_policy="cuda"``, :mod:`nbmem.autocast_policy`), also in a
+    tracked run, whose CPU kernels then compute in the dtypes CUDA would
+    choose; ``autocast_policy="cpu"`` keeps CPU autocast's own lists. A
+    measured run uses CUDA's autocast itself.
+
     >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
     >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
@@ -281,6 +290,11 @@ def estimate(
     batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
     _check(batch_size, precision, optimizer, accumulation)
     check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
+    if autocast_policy not in AUTOCAST_POLICIES:
+        raise ValueError(f"unknown autocast_policy {autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)")
+    autocast = precision in ("bf16", "fp16") and mode != "measured"
+    policy = CudaAutocastPolicy() if autocast and autocast_policy == "cuda" else None
+    attention = FusedAttention() if mode != "measured" else None
     run_on = _run_device(mode)
     capacity = label = None
     if device is not None:
@@ -313,26 +327,30 @@ def estimate(
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole:
+        with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on)
             block = repeated_blocks(network)
             chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = _optimizer_factory(optimizer)
-            optimizer_kwargs = {} if foreach is None else {"foreach": foreach}
+            optimizer_kwargs = _target_optimizer_kwargs(optimizer, foreach, mode, notes)
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
             )
+            region = policy.region if policy is not None else torch.autocast
             if step is None:
                 scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision,
-                                             accumulation, run_on)
+                                             accumulation, run_on, autocast_region=region)
             else:
                 scaler = AlwaysSteppingScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
-                                             run_on, fake_mode is not None)
+                                             run_on, fake_mode is not None, autocast_region=region)
             peaks, reserved, breakdowns = [], [], []
+            for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
+                if rule is not None:
+                    target_rules.enter_context(rule)
             for _ in range(2):
                 with scope() as one:
                     one_step()
@@ -357,11 +375,19 @@ def estimate(
         if message is None:
             raise
         raise ValueError(message) from error
-    if precision in ("bf16", "fp16") and mode != "measured":
+    if policy is not None:
         notes.append(
-            "autocast follows PyTorch's CPU op lists here; CUDA's lists differ for some ops "
+            f"autocast follows CUDA's op lists (aten/src/ATen/autocast_mode.cpp, torch {torch.__version__.split('+')[0]}) "
+            "on the CPU: layer norm, softmax, exp, sums and losses in fp32, matmuls and convolutions in "
+            f"{precision}, each weight cast once per forward"
+        )
+    elif autocast:
+        notes.append(
+            "autocast follows PyTorch's CPU op lists (autocast_policy='cpu'); CUDA's lists differ for some ops "
             "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
         )
+    if attention is not None:
+        notes += attention.notes(steps=2)
     if mode == "measured":
         notes.append(
             "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "
@@ -408,6 +434,37 @@ def _optimizer_name(optimizer: str | Callable[..., torch.optim.Optimizer] | None
     if optimizer is None:
         return "your step's own optimizer"
     return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")
+
+
+def _target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str]) -> dict[str, Any]:
+    """The optimizer's implementation on the GPU the estimate is for, named in ``notes``.
+
+    On CUDA, torch.optim's built-in optimizers default to the foreach
+    implementation when neither ``foreach`` nor ``fused`` is given: all
+    parameters are plain tensors, parameters or DTensors on a foreach device,
+    and "cpu" is not one (torch/optim/optimizer.py _default_to_fused_or_foreach;
+    fused is never the default). Foreach holds temporaries for a whole
+    parameter group at once (Adam's sqrt of the second moments), so on fake CPU
+    tensors, which default to the per-tensor loop, nbmem asks for it. CPU's
+    foreach ops loop per tensor (foreach_tensor_*_slow) but allocate the same
+    list of outputs as CUDA's fast path, so the peak is CUDA's.
+    """
+    if foreach is not None:
+        notes.append(f"optimizer: foreach={foreach}, as asked")
+        return {"foreach": foreach}
+    if optimizer is None:  # the user's step builds its own
+        return {}
+    if not isinstance(optimizer, str):
+        notes.append("optimizer: your factory's own defaults (built-in optimizers default to foreach on CUDA)")
+        return {}
+    if mode == "measured":
+        notes.append(f"optimizer: {optimizer} with CUDA's default, the foreach implementation")
+        return {}
+    notes.append(
+        f"optimizer: {optimizer} with the foreach implementation, CUDA's default (on a CPU PyTorch would loop "
+        "tensor by tensor); pass foreach=False for the per-tensor loop"
+    )
+    return {"foreach": True}
 
 
 def _real_rank(parallel: str) -> int:

@@ -38,6 +38,7 @@ def run_step(
     precision: str,
     accumulation: int,
     device: torch.device,
+    autocast_region: Callable[..., Any] = torch.autocast,
 ) -> None:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     for _ in range(accumulation):
@@ -48,7 +49,8 @@ def run_step(
         if precision.endswith("-weights"):
             weight_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
             inputs = cast_floats(inputs, weight_dtype)
-        autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        # autocast_region: torch.autocast, or one that follows CUDA's op lists on the CPU (nbmem.autocast_policy)
+        autocast = autocast_region(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with autocast:
             output = _forward(model, inputs)
             value = loss_fn(output, inputs) if loss_fn is not None else _default_loss(output, inputs)

@@ -179,10 +179,15 @@ def run_user_step(
     precision: str,
     device: torch.device,
     fake: bool,
+    *,
+    autocast_region: Callable[..., Any] = torch.autocast,
 ) -> None:
-    """One call of the user's step, as the module docstring describes."""
+    """One call of the user's step, as the module docstring describes.
+
+    ``autocast_region``: torch.autocast, or one that follows CUDA's op lists on the CPU (nbmem.autocast_policy).
+    """
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    autocast = autocast_region(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     # copy.deepcopy of a fake module lands in a new fake mode and fails ("Mixing fake modes"): an EMA
     # copy made with deepcopy gets fresh fake tensors of the current mode, as a model factory does
     copies = _FakeDeepcopy() if fake else contextlib.nullcontext()

@@ -159,7 +159,7 @@ def test_04_breakdown_shows_what_each_knob_changes(nb04: nbformat.NotebookNode) 
 
 def test_04_autocast_note_and_timed_steps(nb04: nbformat.NotebookNode) -> None:
     notes = _text(_cell(nb04, 'row = next(row for row in table if row.value("precision") == "bf16" and not row.value("checkpointing"))'))
-    assert "autocast follows PyTorch's CPU op lists" in notes
+    assert "autocast follows CUDA's op lists" in notes
     timed = _text(_cell(nb04, "loss_fn = nn.CrossEntropyLoss()"))
     for mode in ("off", "on"):
         match = re.search(

@@ -1,0 +1,96 @@
+"""Attention as a GPU runs it: a fused kernel, which saves no attention matrix, also on the CPU.
+
+On CUDA, ``scaled_dot_product_attention`` picks a fused kernel for training
+wherever one applies: flash (bf16/fp16, head_dim <= 256, no arbitrary mask),
+memory-efficient (fp32, or a mask) or cuDNN (aten/src/ATen/native/transformers/
+cuda/sdp_utils.cpp). Each saves the output and a float32 log-sum-exp per query
+row for backward, never the L x L attention matrix, and with dropout it saves
+no mask either: it regenerates it from the RNG seed. On the CPU PyTorch picks
+its own flash kernel (``_scaled_dot_product_flash_attention_for_cpu``, which
+saves the same) unless dropout is on: then it falls back to the math kernel,
+which saves the attention probabilities and the dropout mask, several times
+what a GPU holds at long sequences.
+
+:class:`FusedAttention` makes the CPU step do what the GPU would: while active
+it replaces ``scaled_dot_product_attention``'s autograd kernel (CPU tensors;
+the key where its composite kernel runs, so autograd records the fused op) by
+one that runs PyTorch's own composite kernel with ``dropout_p=0``: same shapes
+and saved tensors as CUDA's fused kernels, no dropout applied (an estimate has
+no values; a tracked run's numbers differ, its memory does not). It counts the
+calls and which CPU kernel ran, for the estimate's notes.
+
+>>> q = torch.randn(1, 2, 16, 8, requires_grad=True)
+>>> with FusedAttention() as attention:
+...     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+>>> out.grad_fn.name(), attention.calls, attention.with_dropout
+('ScaledDotProductFlashAttentionForCpuBackward0', 1, 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .kernels import ScopedKernels
+
+__all__ = ["FusedAttention"]
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+# the schema: (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False)
+_DROPOUT_AT = 4
+
+
+class FusedAttention(ScopedKernels):
+    """While active, CPU attention saves what CUDA's fused kernels save (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        #: calls that asked for dropout, run without it
+        self.with_dropout = 0
+        #: calls that needed a gradient and still ran PyTorch's math kernel (saves the attention matrix)
+        self.math = 0
+
+    def __enter__(self) -> FusedAttention:
+        entered: FusedAttention = super().__enter__()
+        return entered
+
+    def register(self, library: torch.library.Library) -> None:
+        library.impl("scaled_dot_product_attention", self._kernel, "AutogradCPU")
+
+    def _kernel(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if len(args) > _DROPOUT_AT:
+            dropout = args[_DROPOUT_AT]
+            args = (*args[:_DROPOUT_AT], 0.0, *args[_DROPOUT_AT + 1:])
+        else:
+            dropout = kwargs.pop("dropout_p", 0.0)
+        if dropout:
+            self.with_dropout += 1
+        # PyTorch's own composite kernel (the one this replaces), which picks the CPU kernel
+        output = _SDPA.decompose(*args, **kwargs)
+        if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
+            self.math += 1
+        return output
+
+    def notes(self, steps: int = 1) -> list[str]:
+        """What the estimate assumed about attention in each of ``steps`` steps, for its notes (none without SDPA)."""
+        if not self.calls:
+            return []
+        notes = [
+            f"attention: {self.calls // steps} scaled_dot_product_attention calls per step modelled as a fused kernel (the output and "
+            "a float32 log-sum-exp per row saved, no attention matrix), as CUDA's flash (bf16/fp16, head_dim <= 256), "
+            "memory-efficient (fp32 or a mask) and cuDNN kernels do; which one the GPU picks is not checked here"
+        ]
+        if self.with_dropout:
+            notes.append(
+                f"attention: {self.with_dropout // steps} calls per step with dropout run without it, as CUDA's fused kernels save no "
+                "dropout mask (they regenerate it)"
+            )
+        if self.math:
+            notes.append(
+                f"attention: {self.math // steps} calls per step ran PyTorch's math kernel, which saves the attention matrix (CPU's "
+                "flash kernel did not apply); a GPU's fused kernel may hold less there"
+            )
+        return notes

@@ -1,0 +1,123 @@
+"""benchmarks/gpu_campaign.py's CPU-only paths: its refusal without CUDA, its arguments, its time and its tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_campaign.py"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def campaign() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_campaign", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal, which needs a machine without CUDA")
+
+
+@needs_no_cuda
+def test_without_cuda_it_refuses_in_one_line_and_touches_nothing(
+    campaign: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "results"
+    assert campaign.main(["--out", str(out)]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == ""
+    assert printed.err.count("\n") == 1 and printed.err.startswith("gpu_campaign: no CUDA device here (torch ")
+    assert "benchmarks/README.md" in printed.err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+@needs_no_cuda
+@pytest.mark.slow
+def test_the_command_exits_2_without_cuda(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and "no CUDA device here" in done.stderr
+    assert not out.exists()
+
+
+def test_arguments(campaign: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    args = campaign.parse_args(["--out", "d"])
+    assert (args.out, args.budget, args.quick) == ("d", 480.0, False)
+    assert args.sections == ["environment", "pytest", "fixed", "zoo", "magic", "max_batch"]
+    args = campaign.parse_args(["--out", "d", "--budget", "300", "--sections", "zoo, fixed", "--quick"])
+    assert (args.budget, args.sections, args.quick) == (300.0, ["zoo", "fixed"], True)
+    with pytest.raises(SystemExit) as stopped:
+        campaign.parse_args(["--out", "d", "--sections", "zoo,speed"])
+    assert stopped.value.code == 2
+    assert "unknown section(s) speed: use 'all' or some of environment" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        campaign.parse_args(["--out", "d", "--budget", "0"])
+    assert "--budget must be a positive number of seconds, got 0.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        campaign.parse_args([])  # --out is required
+
+
+def test_the_budget_is_shared_out_and_time_boxed(campaign: ModuleType) -> None:
+    now = [100.0]
+    budget = campaign.Budget(200.0, ["zoo", "fixed"], clock=lambda: now[0])
+    # zoo's share 0.45 and fixed's 0.09 of 0.54: 200 * 0.45 / 0.54 = 166.67 s and 33.33 s
+    assert budget.open("zoo") == pytest.approx(166.6667, abs=1e-3)
+    now[0] += 50.0  # zoo finished 116.67 s early: that time goes to fixed, on top of its own 33.33 s
+    assert budget.open("fixed") == pytest.approx(150.0)
+    now[0] += 160.0
+    assert budget.left() == pytest.approx(-10.0)  # past its share: the section's items stop
+    budget = campaign.Budget(200.0, ["zoo", "fixed"], clock=lambda: now[0])
+    budget.open("zoo")
+    now[0] += 180.0  # zoo overran its share: fixed starts now with its own 33.33 s, cut at the campaign's end
+    assert budget.open("fixed") == pytest.approx(20.0)
+    late = campaign.Budget(10.0, ["zoo"], clock=lambda: now[0])
+    now[0] += 9.0
+    assert late.open("zoo") == pytest.approx(1.0)  # never past the campaign's end
+
+
+def test_errors_and_summaries(campaign: ModuleType) -> None:
+    assert campaign.relative(102, 100) == pytest.approx(0.02)
+    assert campaign.relative(95, 100) == pytest.approx(-0.05)
+    assert campaign.relative(None, 100) is None and campaign.relative(5, 0) is None
+    assert campaign.error_summary([0.01, -0.06, None, 0.02, 0.03]) == {"configurations": 4, "median": 0.025, "worst": 0.06}
+    assert campaign.error_summary([None]) == {"configurations": 0}
+
+
+def test_the_tables_and_files_it_writes(campaign: ModuleType, tmp_path: Path) -> None:
+    rows = [
+        {"model": "mlp", "batch": 32, "estimated": 3 * MiB, "measured": 3 * MiB + 30 * 1024, "error": -0.00967,
+         "problems": None},
+        {"model": "lstm", "batch": 8, "estimated": None, "measured": 512 * 1024, "error": None, "problems": "a | b"},
+    ]
+    columns = ["model", "batch", "estimated", "measured", "error", "problems"]
+    assert campaign.markdown_table(columns, rows).splitlines() == [
+        "| model | batch | estimated | measured | error | problems |",
+        "|---|---|---|---|---|---|",
+        "| mlp | 32 | 3.00 MiB | 3.03 MiB | -0.97% | - |",  # 3 MiB + 30 KiB = 3.029 MiB
+        "| lstm | 8 | - | 0.50 MiB | - | a / b |",
+    ]
+    results = {
+        "date": "2026-11-23T00:00:00+00:00",
+        "environment": {"device": "NVIDIA H100 80GB HBM3", "torch": "2.13.0", "note": "Every figure is relative."},
+        "sections": {"zoo": {"columns": columns, "rows": rows, "seconds": 12.0, "not_run_out_of_time": 3}},
+    }
+    written = campaign.write_results(results, tmp_path / "out")
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["campaign.json", "campaign.md"]
+    assert json.loads(written[0].read_text()) == results
+    markdown = written[1].read_text()
+    assert markdown.startswith("# nbmem GPU campaign, 2026-11-23T00:00:00+00:00\n\nDevice: device NVIDIA H100 80GB HBM3, "
+                               "torch 2.13.0\n\nEvery figure is relative.\n")
+    assert "## zoo (12 s)\n\n| model | batch |" in markdown and "- not_run_out_of_time: 3" in markdown

@@ -1,0 +1,87 @@
+"""An estimate for a GPU uses the GPU's defaults: foreach optimizers, fused attention kernels (issue 13, points 4-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from nbmem.attention import FusedAttention
+from nbmem.building import without_onednn
+from nbmem.estimation import estimate
+from nbmem.scope import track
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+def batch(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, 256), torch.randint(0, 10, (n,))
+
+
+# P: the parameters in 512 B blocks: 256 * 512 * 4 = 524288, 512 * 4 = 2048, 512 * 10 * 4 = 20480, 10 * 4 -> 512
+P = 524288 + 2048 + 20480 + 512  # 547328
+STEPS = 4 * 512  # AdamW's four step counters, one 512 B block each
+
+
+def test_adamw_defaults_to_foreach_as_on_cuda() -> None:
+    default = estimate(mlp, batch, batch_size=32, optimizer="adamw")
+    foreach = estimate(mlp, batch, batch_size=32, optimizer="adamw", foreach=True)
+    loop = estimate(mlp, batch, batch_size=32, optimizer="adamw", foreach=False)
+    # foreach peaks at _foreach_sqrt: parameters P, two moments 2P and the step counters, gradients P, and the
+    # square roots of all second moments at once, P
+    assert default.steady == foreach.steady == P + 2 * P + STEPS + P + P == 2738688
+    # the per-tensor loop peaks in the largest tensor's update: its sqrt and the sqrt / bias correction,
+    # 2 * 524288, instead of a whole group's sqrt (this small model has one big tensor; a deep one, many)
+    assert loop.steady == P + 2 * P + STEPS + P + 2 * 524288 == 3239936
+    assert any("adamw with the foreach implementation, CUDA's default" in note for note in default.notes)
+    assert any("foreach=False, as asked" in note for note in loop.notes)
+
+
+def test_a_fused_kernel_saves_no_attention_matrix_even_with_dropout() -> None:
+    # B=1, H=2, L=256, D=16: the output 1 * 2 * 256 * 16 * 4 = 32768 and the float32 log-sum-exp 2 * 256 * 4 = 2048
+    query = torch.randn(1, 2, 256, 16, requires_grad=True)
+    with without_onednn():
+        with track("cpu") as fused, FusedAttention() as attention:
+            kept = nn.functional.scaled_dot_product_attention(query, query, query, dropout_p=0.1)
+        assert fused.result is not None and fused.result.retained == 32768 + 2048
+        assert (attention.calls, attention.with_dropout, attention.math) == (1, 1, 0)
+        del kept
+        with track("cpu") as math:  # PyTorch's own CPU choice with dropout: the math kernel
+            kept = nn.functional.scaled_dot_product_attention(query, query, query, dropout_p=0.1)
+    assert math.result is not None and math.result.retained >= 2 * (2 * 256 * 256 * 4)  # attention matrices
+    assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::scaled_dot_product_attention", "AutogradCPU")
+
+
+def test_the_notes_name_the_attention_kernel() -> None:
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.project = nn.Linear(16, 48)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.project(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+            return nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+
+    result = estimate(Attend, lambda n: torch.randn(n, 32, 16), batch_size=4, optimizer="sgd")
+    notes = "\n".join(result.notes)
+    assert "attention: 1 scaled_dot_product_attention calls per step modelled as a fused kernel" in notes
+    assert "attention: 1 calls per step with dropout run without it" in notes
+    assert "math kernel" not in notes
+    plain = estimate(mlp, batch, batch_size=4, optimizer="sgd")
+    assert not any(note.startswith("attention") for note in plain.notes)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_estimate_and_tracked_run_agree_under_the_gpu_rules(precision: str) -> None:
+    build = lambda: nn.TransformerEncoder(  # noqa: E731
+        nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.1), 2, enable_nested_tensor=False
+    )
+    make = lambda n: torch.randn(n, 24, 64)  # noqa: E731
+    torch.manual_seed(0)
+    estimated = estimate(build, make, batch_size=8, precision=precision)
+    torch.manual_seed(0)
+    tracked = estimate(build, make, batch_size=8, precision=precision, mode="tracked")
+    assert estimated.peak == pytest.approx(tracked.peak, rel=0.01)
+    assert [note for note in estimated.notes if "attention" in note] == [n for n in tracked.notes if "attention" in n]
