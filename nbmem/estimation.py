@@ -29,6 +29,7 @@ from torch import nn
 from .building import (
     FAKE_ERRORS,
     apply_precision_and_checkpointing,
+    fake_failure,
     fresh_model,
     new_fake_mode,
     repeated_blocks,
@@ -275,7 +276,7 @@ def estimate(
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
         with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole:
-            network = fresh_model(model, fake_mode, run_on)
+            network = fresh_model(model, fake_mode, run_on, notes)
             block = repeated_blocks(network)
             chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
@@ -301,9 +302,10 @@ def estimate(
             parameters = sum(parameter.numel() for parameter in network.parameters())
     except FAKE_ERRORS as error:
         raise ValueError(
-            f"the model can't run on fake tensors ({type(error).__name__}: it reads a tensor's value, e.g. .item(), "
-            "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
-            "%%gpumem --backend tracked"
+            f"the training step can't run on fake tensors: {fake_failure(error)}. Fake tensors have no values, so "
+            "code that reads them (.item(), .tolist(), nonzero, data-dependent shapes) can't be estimated: "
+            "mode='tracked' runs the step for real on this CPU, every tensor accounted (or nbmem.track() around "
+            "your own step)"
         ) from error
     if precision in ("bf16", "fp16") and mode != "measured":
         notes.append(
