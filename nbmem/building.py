@@ -42,6 +42,9 @@ def _fake_errors() -> tuple[type[BaseException], ...]:
 
 
 FAKE_ERRORS = _fake_errors()
+#: What a factory raises when its constructor can't run on fake tensors: FAKE_ERRORS, and the
+#: RuntimeError of module.to(), which can't swap fake tensors in place (PEFT moves its adapters so)
+_FAKE_BUILD_ERRORS: tuple[type[BaseException], ...] = (*FAKE_ERRORS, RuntimeError)
 
 
 def new_fake_mode() -> Any:
@@ -72,6 +75,13 @@ def fresh_model(model: Any, fake_mode: Any, device: torch.device, notes: list[st
     else:
         raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
     _check_trainable(built)
+    if fake_mode is not None and notes is not None and type(built).__module__.startswith(("transformers.", "peft.")):
+        # transformers' masking_utils skips the causal mask when the attention mask has no padding, which it
+        # can't see on fake tensors (is_tracing): it builds the mask, as a padded batch would need
+        notes.append(
+            "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, as for a batch "
+            "with padding; a real batch without padding may skip it and take that much less"
+        )
     return built
 
 
@@ -107,14 +117,18 @@ def _built(factory: Callable[[], Any], fake_mode: Any, device: torch.device, not
     try:
         with copies, default_device(device):
             built = factory()
-    except FAKE_ERRORS as error:
+    except _FAKE_BUILD_ERRORS as error:
+        # Fake tensors can't answer a constructor's .item()/.tolist() (timm's drop-path
+        # rates), nor be swapped in place by module.to() (PEFT moves its adapters so).
         if fake_mode is None:
             raise
-        built = _built_with_empty_weights(factory, device, error)
+        why = fake_failure(error)
+        _release_failed_build(error)
+        built = _built_with_empty_weights(factory, device, why)
         notes.append(
-            f"the model's constructor reads tensor values ({fake_failure(error)}), which fake tensors can't answer: "
-            "nbmem built it for real with its parameters and buffers on the meta device (as accelerate's "
-            "init_empty_weights does), then made those fake"
+            f"the model's constructor can't run on fake tensors ({why}): nbmem built it for real with its "
+            "parameters and buffers on the meta device (as accelerate's init_empty_weights does), then made "
+            "those fake"
         )
     except Exception as error:
         if _is_download_error(error):
@@ -130,7 +144,7 @@ def _built(factory: Callable[[], Any], fake_mode: Any, device: torch.device, not
     return built.to(device) if device.type == "cuda" else built
 
 
-def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, first: BaseException) -> nn.Module:
+def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, why: str) -> nn.Module:
     """Build for real, parameters and buffers on "meta", then give each a fake tensor on ``device``.
 
     The construction runs outside every dispatch mode (the fake mode and the
@@ -157,7 +171,7 @@ def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, 
             built = factory()
     except Exception as error:
         raise ValueError(
-            f"the model's constructor can't run on fake tensors ({fake_failure(first)}), and building it with its "
+            f"the model's constructor can't run on fake tensors ({why}), and building it with its "
             f"parameters on the meta device failed too ({type(error).__name__}: {error}). Pass a model you built "
             "instead of a factory (nbmem copies it as fake tensors), or use mode='tracked', which runs it for real"
         ) from error
@@ -181,6 +195,32 @@ def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, 
                 if tensor is not None and tensor.is_meta:
                     table[name] = fake(tensor)  # type: ignore[assignment]
     return built
+
+
+def _release_failed_build(error: BaseException | None) -> None:
+    """Let go of what a failed fake build made: its fake parameters and buffers, and its frames' locals.
+
+    The half-built modules sit in reference cycles (a PEFT model and the model
+    it wraps point at each other) that only the garbage collector would break,
+    and nbmem never runs it: until then the tracker would count their fake
+    tensors. Only fake tensors are dropped (all made by this build); a real
+    module the factory was given keeps everything.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    while error is not None:
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, nn.Module):
+                    for module in value.modules():
+                        for table in (module._parameters, module._buffers):
+                            for name, tensor in list(table.items()):
+                                if isinstance(tensor, FakeTensor):
+                                    table[name] = None
+        traceback.clear_frames(error.__traceback__)
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            frame.f_locals.clear()  # the dict f_locals cached on the frame when it was read above
+        error = error.__cause__ or error.__context__
 
 
 def _check_trainable(model: nn.Module) -> None:
@@ -220,17 +260,17 @@ def fake_failure(error: BaseException) -> str:
     ``self`` that is a module, named by its path from the outermost one.
     """
     op = getattr(error, "func", None)
-    what = f"{type(error).__name__} in {op}" if op is not None else type(error).__name__
+    what = f"{type(error).__name__} in {op}" if op is not None else f"{type(error).__name__}: {error}"
     if "_local_scalar_dense" in str(op) or "tolist" in str(op):
         what += " (.item(), .tolist() or a Python bool of a tensor)"
     modules: list[nn.Module] = []
     line = None
-    torch_dir = os.path.dirname(torch.__file__)
+    libraries = (os.path.dirname(torch.__file__), os.path.dirname(__file__))  # torch's frames and nbmem's
     for frame, lineno in traceback.walk_tb(error.__traceback__):
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module):
             modules.append(owner)
-        if not frame.f_code.co_filename.startswith(torch_dir):
+        if not frame.f_code.co_filename.startswith(libraries):
             line = f"{frame.f_code.co_filename}:{lineno}"
     if modules:
         names = {id(module): name for name, module in modules[0].named_modules()}
