@@ -339,6 +339,12 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
                     module._buffers[name] = buffer.to(dtype)
     if not checkpointing:
         return "off"
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None):
+        # transformers' own reason for turning the KV cache off under checkpointing: the recomputed
+        # forward appends to it a second time and the attention shapes stop matching (issue 11)
+        config.use_cache = False  # type: ignore[union-attr]
+        notes.append("checkpointing: Hugging Face's KV cache turned off (use_cache=False), as transformers does")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
@@ -369,10 +375,10 @@ def _own_checkpointing(model: nn.Module) -> str | None:
     """Turn on the model's library's own activation checkpointing, if it has one; say which (None: it has none).
 
     Hugging Face: ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
-    before transformers 5), non-reentrant as transformers' default, with the KV cache
-    off (``config.use_cache = False``), as transformers does itself: under
-    checkpointing the recomputed forward would append to the cache a second time
-    (transformers' modeling_layers.GradientCheckpointingLayer). timm:
+    before transformers 5), non-reentrant as transformers' default; the caller has
+    turned the KV cache off (``config.use_cache = False``), as transformers does
+    itself: under checkpointing the recomputed forward would append to the cache
+    a second time (transformers' modeling_layers.GradientCheckpointingLayer). timm:
     ``set_grad_checkpointing()``. Their choice of blocks can save more than
     nbmem's repeated block (T5's stacks, timm's stages). A PEFT model passes
     these through to the model it wraps.
@@ -385,9 +391,6 @@ def _own_checkpointing(model: nn.Module) -> str | None:
         else:
             getattr(model, "gradient_checkpointing_enable")(gradient_checkpointing_kwargs={"use_reentrant": False})
             name = "gradient_checkpointing_enable"
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", None):
-            config.use_cache = False  # type: ignore[union-attr]
         return f"Hugging Face {name}, use_cache=False"
     enable = getattr(model, "set_grad_checkpointing", None)
     if callable(enable):

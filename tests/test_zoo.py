@@ -180,6 +180,13 @@ def test_hugging_face_checkpointing_is_its_own_and_leaves_the_users_model_alone(
     assert model.config.use_cache and not model.transformer.h[0].gradient_checkpointing
     # less than without checkpointing, which keeps every block's activations
     assert results[0].peak < estimate(model, padded_batch, batch_size=2).peak
+    # nbmem's own choice of blocks turns the cache off too: with it on, the recomputed forward appended to the
+    # KV cache a second time ("Attempting to broadcast a dimension of length 32", issue 11)
+    block = type(model.transformer.h[0])
+    chosen = [estimate(model, padded_batch, batch_size=2, checkpointing=lambda module: isinstance(module, block),
+                       mode=mode) for mode in ("estimated", "tracked")]
+    assert chosen[0].peak == chosen[1].peak
+    assert any("use_cache=False" in note for note in chosen[0].notes) and model.config.use_cache
 
 
 def test_an_instance_and_a_factory_give_the_same_bytes():
