@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from typing import Any
+import os
+import traceback
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ from torch import nn
 from .fakemode import new_fake_mode
 
 __all__ = ["fresh_model", "repeated_blocks", "apply_precision_and_checkpointing", "new_fake_mode", "FAKE_ERRORS",
-           "without_onednn", "default_device"]
+           "without_onednn", "default_device", "fake_failure"]
 
 
 @contextlib.contextmanager
@@ -42,29 +44,237 @@ def _fake_errors() -> tuple[type[BaseException], ...]:
 
 
 FAKE_ERRORS = _fake_errors()
+#: What a factory raises when its constructor can't run on fake tensors: FAKE_ERRORS, and the
+#: RuntimeError of module.to(), which can't swap fake tensors in place (PEFT moves its adapters so)
+_FAKE_BUILD_ERRORS: tuple[type[BaseException], ...] = (*FAKE_ERRORS, RuntimeError)
 
 
-def fresh_model(model: Any, fake_mode: Any, device: torch.device) -> nn.Module:
-    """A model of nbmem's own on ``device``: built by the factory, or copied (as fake tensors when estimating)."""
+def fresh_model(model: Any, fake_mode: Any, device: torch.device, notes: list[str] | None = None) -> nn.Module:
+    """A model of nbmem's own on ``device``: built by the factory, or copied (as fake tensors when estimating).
+
+    Call it inside ``fake_mode`` (and inside the tracker, which then sees the
+    copy's parameters born). A factory whose constructor reads tensor values
+    (timm's drop-path rates: ``.item()``, ``.tolist()``), which fake tensors
+    can't answer, is built for real with its parameters and buffers on the
+    meta device, as accelerate's ``init_empty_weights`` does, and those are
+    then made fake; ``notes`` says so. A model with nothing to train is a
+    ValueError that says what to do.
+
+    >>> copied = fresh_model(nn.Linear(4, 2), None, torch.device("cpu"))
+    >>> copied.weight.shape
+    torch.Size([2, 4])
+    """
     if isinstance(model, nn.Module):
-        if fake_mode is None:
-            return copy.deepcopy(model).to(device)
-        # Copy the module's structure, with every parameter and buffer replaced
-        # by a fake tensor of the same shape: the memo makes deepcopy use them.
-        memo: dict[int, Any] = {}
-        for parameter in model.parameters():
-            memo[id(parameter)] = nn.Parameter(fake_mode.from_tensor(parameter), requires_grad=parameter.requires_grad)
-        for buffer in model.buffers():
-            memo[id(buffer)] = fake_mode.from_tensor(buffer)
-        return copy.deepcopy(model, memo)
-    if callable(model):
-        copies = _FakeDeepcopy() if fake_mode is not None else contextlib.nullcontext()
+        built = _copied(model, fake_mode, device)
+    elif callable(model):
+        built = _built(model, fake_mode, device, notes if notes is not None else [])
+    else:
+        raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+    _check_trainable(built)
+    if fake_mode is not None and notes is not None and type(built).__module__.startswith(("transformers.", "peft.")):
+        # transformers' masking_utils skips the causal mask when the attention mask has no padding, which it
+        # can't see on fake tensors (is_tracing): it builds the mask, as a padded batch would need
+        notes.append(
+            "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, as for a batch "
+            "with padding; a real batch without padding may skip it and take that much less"
+        )
+    return built
+
+
+def _copied(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Module:
+    # Copy the module's structure, with every parameter and buffer replaced by
+    # a new tensor of the same shape: the memo makes deepcopy use them.
+    memo: dict[int, Any] = {}
+    if fake_mode is None:
+        # Real copies made from nothing the tracker sees: reading the user's
+        # own tensors through an op would make the tracker adopt them, one
+        # full copy of the parameters too many (issue 11: ResNet-18 +44.6 MiB).
+        from torch.utils._mode_utils import no_dispatch
+
+        def real(tensor: torch.Tensor) -> torch.Tensor:
+            copied = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+            with no_dispatch(), torch.no_grad():
+                copied.copy_(tensor.detach())
+            return copied
+
+        make = real
+    else:
+        make = fake_mode.from_tensor
+    for parameter in model.parameters():
+        memo[id(parameter)] = nn.Parameter(make(parameter), requires_grad=parameter.requires_grad)
+    for buffer in model.buffers():
+        memo[id(buffer)] = make(buffer)
+    copied: nn.Module = copy.deepcopy(model, memo)
+    return copied.to(device) if fake_mode is None else copied
+
+
+def _built(factory: Callable[[], Any], fake_mode: Any, device: torch.device, notes: list[str]) -> nn.Module:
+    copies = _FakeDeepcopy() if fake_mode is not None else contextlib.nullcontext()
+    try:
         with copies, default_device(device):
-            built = model()
-        if not isinstance(built, nn.Module):
-            raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
-        return built.to(device) if device.type == "cuda" else built
-    raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
+            built = factory()
+    except _FAKE_BUILD_ERRORS as error:
+        # Fake tensors can't answer a constructor's .item()/.tolist() (timm's drop-path
+        # rates), nor be swapped in place by module.to() (PEFT moves its adapters so).
+        if fake_mode is None:
+            raise
+        why = fake_failure(error)
+        _release_failed_build(error)
+        built = _built_with_empty_weights(factory, device, why)
+        notes.append(
+            f"the model's constructor can't run on fake tensors ({why}): nbmem built it for real with its "
+            "parameters and buffers on the meta device (as accelerate's init_empty_weights does), then made "
+            "those fake"
+        )
+    except Exception as error:
+        if _is_download_error(error):
+            raise ValueError(
+                f"the model factory failed to download or read files ({type(error).__name__}, chained above). nbmem "
+                "needs only the model's structure, never its weights: build it from a config with random weights, "
+                "e.g. AutoModelForCausalLM.from_config(GPT2Config(...)) for Hugging Face or "
+                "timm.create_model(name, pretrained=False); when estimating, nothing is allocated"
+            ) from error
+        raise
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
+    return built.to(device) if device.type == "cuda" else built
+
+
+def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, why: str) -> nn.Module:
+    """Build for real, parameters and buffers on "meta", then give each a fake tensor on ``device``.
+
+    The construction runs outside every dispatch mode (the fake mode and the
+    tracker): its temporaries are real and small, and not part of a step.
+    """
+    from torch.nn.modules.module import (
+        register_module_buffer_registration_hook,
+        register_module_parameter_registration_hook,
+    )
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def empty_parameter(module: nn.Module, name: str, parameter: Any) -> Any:
+        if parameter is None or parameter.is_meta:
+            return None
+        return nn.Parameter(parameter.detach().to("meta"), requires_grad=parameter.requires_grad)
+
+    def empty_buffer(module: nn.Module, name: str, buffer: Any) -> Any:
+        return None if buffer is None or buffer.is_meta else buffer.to("meta")
+
+    hooks = [register_module_parameter_registration_hook(empty_parameter),
+             register_module_buffer_registration_hook(empty_buffer)]
+    try:
+        with _disable_current_modes():
+            built = factory()
+    except Exception as error:
+        raise ValueError(
+            f"the model's constructor can't run on fake tensors ({why}), and building it with its "
+            f"parameters on the meta device failed too ({type(error).__name__}: {error}). Pass a model you built "
+            "instead of a factory (nbmem copies it as fake tensors), or use mode='tracked', which runs it for real"
+        ) from error
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
+    # Inside the fake mode and the tracker again: each tensor is born here, as it would be in a fake build.
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:  # tied weights stay tied
+            new = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+            made[id(tensor)] = nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
+        return made[id(tensor)]
+
+    for module in built.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None and tensor.is_meta:
+                    table[name] = fake(tensor)  # type: ignore[assignment]
+    return built
+
+
+def _release_failed_build(error: BaseException | None) -> None:
+    """Let go of what a failed fake build made: its fake parameters and buffers, and its frames' locals.
+
+    The half-built modules sit in reference cycles (a PEFT model and the model
+    it wraps point at each other) that only the garbage collector would break,
+    and nbmem never runs it: until then the tracker would count their fake
+    tensors. Only fake tensors are dropped (all made by this build); a real
+    module the factory was given keeps everything.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    while error is not None:
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, nn.Module):
+                    for module in value.modules():
+                        for table in (module._parameters, module._buffers):
+                            for name, tensor in list(table.items()):
+                                if isinstance(tensor, FakeTensor):
+                                    table[name] = None
+        traceback.clear_frames(error.__traceback__)
+        for frame, _ in traceback.walk_tb(error.__traceback__):
+            frame.f_locals.clear()  # the dict f_locals cached on the frame when it was read above
+        error = error.__cause__ or error.__context__
+
+
+def _check_trainable(model: nn.Module) -> None:
+    """A training step needs something to train: say so plainly rather than let torch fail inside the step."""
+    parameters = list(model.parameters())
+    if not parameters:
+        raise ValueError(
+            f"the model ({type(model).__name__}) has no parameters, so a training step has nothing to update: "
+            "for the memory of a forward pass, run it under nbmem.track() (with torch.no_grad() for inference)"
+        )
+    if not any(parameter.requires_grad for parameter in parameters):
+        raise ValueError(
+            f"every parameter of the model ({type(model).__name__}) is frozen (requires_grad=False), so a training "
+            "step has nothing to update: unfreeze what you train (e.g. model.head.requires_grad_(True)), or for "
+            "inference run the forward pass under nbmem.track() with torch.no_grad()"
+        )
+
+
+def _is_download_error(error: BaseException) -> bool:
+    """An error from fetching weights or configs: an OSError (Hugging Face wraps its hub errors in one) or an
+    error of huggingface_hub or an HTTP library, anywhere in the chain of causes."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) or type(seen).__module__.split(".")[0] in _NETWORK_LIBRARIES:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+_NETWORK_LIBRARIES = ("huggingface_hub", "requests", "httpx", "urllib3")
+
+
+def fake_failure(error: BaseException) -> str:
+    """What fake tensors could not do, and where: the op, the innermost module and the source line.
+
+    The module comes from the frames of the error's traceback: the innermost
+    ``self`` that is a module, named by its path from the outermost one.
+    """
+    op = getattr(error, "func", None)
+    what = f"{type(error).__name__} in {op}" if op is not None else f"{type(error).__name__}: {error}"
+    if "_local_scalar_dense" in str(op) or "tolist" in str(op):
+        what += " (.item(), .tolist() or a Python bool of a tensor)"
+    modules: list[nn.Module] = []
+    line = None
+    libraries = (os.path.dirname(torch.__file__), os.path.dirname(__file__))  # torch's frames and nbmem's
+    for frame, lineno in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module):
+            modules.append(owner)
+        if not frame.f_code.co_filename.startswith(libraries):
+            line = f"{frame.f_code.co_filename}:{lineno}"
+    if modules:
+        names = {id(module): name for name, module in modules[0].named_modules()}
+        inner = modules[-1]
+        what += f", in module {names.get(id(inner)) or '(the model)'} ({type(inner).__name__})"
+    if line is not None:
+        what += f", at {line}"
+    return what
 
 
 class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
@@ -125,6 +335,12 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
                     module._buffers[name] = buffer.to(dtype)
     if not checkpointing:
         return "off"
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", None):
+        # transformers' own reason for turning the KV cache off under checkpointing: the recomputed
+        # forward appends to it a second time and the attention shapes stop matching (issue 11)
+        config.use_cache = False  # type: ignore[union-attr]
+        notes.append("checkpointing: Hugging Face's KV cache turned off (use_cache=False), as transformers does")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         apply_activation_checkpointing,
@@ -134,6 +350,13 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
     if callable(checkpointing):
         check, chosen = checkpointing, "on (your predicate)"
     else:
+        own = _own_checkpointing(model)
+        if own is not None:
+            notes.append(
+                f"checkpointing: the model's own switch ({own}), as its library trains with it; "
+                "checkpointing=<predicate> chooses the blocks instead"
+            )
+            return f"on ({own})"
         block = repeated_blocks(model)
         if block is None:
             notes.append("checkpointing: no repeated block with parameters found; pass checkpointing=<predicate>")
@@ -142,6 +365,34 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=check)
     return chosen
+
+
+def _own_checkpointing(model: nn.Module) -> str | None:
+    """Turn on the model's library's own activation checkpointing, if it has one; say which (None: it has none).
+
+    Hugging Face: ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
+    before transformers 5), non-reentrant as transformers' default; the caller has
+    turned the KV cache off (``config.use_cache = False``), as transformers does
+    itself: under checkpointing the recomputed forward would append to the cache
+    a second time (transformers' modeling_layers.GradientCheckpointingLayer). timm:
+    ``set_grad_checkpointing()``. Their choice of blocks can save more than
+    nbmem's repeated block (T5's stacks, timm's stages). A PEFT model passes
+    these through to the model it wraps.
+    """
+    if getattr(model, "supports_gradient_checkpointing", False):
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if callable(enable):
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            name = "activation_checkpointing_enable"
+        else:
+            getattr(model, "gradient_checkpointing_enable")(gradient_checkpointing_kwargs={"use_reentrant": False})
+            name = "gradient_checkpointing_enable"
+        return f"Hugging Face {name}, use_cache=False"
+    enable = getattr(model, "set_grad_checkpointing", None)
+    if callable(enable):
+        enable(True)
+        return "timm set_grad_checkpointing"
+    return None
 
 
 def default_device(device: torch.device) -> Any:

@@ -31,6 +31,7 @@ from .autocast_policy import AUTOCAST_POLICIES, CudaAutocastPolicy
 from .building import (
     FAKE_ERRORS,
     apply_precision_and_checkpointing,
+    fake_failure,
     fresh_model,
     new_fake_mode,
     repeated_blocks,
@@ -328,7 +329,7 @@ def estimate(
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
         with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole, contextlib.ExitStack() as target_rules:
-            network = fresh_model(model, fake_mode, run_on)
+            network = fresh_model(model, fake_mode, run_on, notes)
             block = repeated_blocks(network)
             chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = _optimizer_factory(optimizer)
@@ -366,9 +367,10 @@ def estimate(
         if step is not None:
             raise ValueError(fake_error_message(error, step)) from error
         raise ValueError(
-            f"the model can't run on fake tensors ({type(error).__name__}: it reads a tensor's value, e.g. .item(), "
-            "or its shapes depend on data). Measure it for real instead: nbmem.track() around a training step, or "
-            "%%gpumem --backend tracked"
+            f"the training step can't run on fake tensors: {fake_failure(error)}. Fake tensors have no values, so "
+            "code that reads them (.item(), .tolist(), nonzero, data-dependent shapes) can't be estimated: "
+            "mode='tracked' runs the step for real on this CPU, every tensor accounted (or nbmem.track() around "
+            "your own step)"
         ) from error
     except AssertionError as error:  # FakeTensorMode refuses a real tensor with an assertion
         message = real_tensor_message(error)

@@ -18,6 +18,7 @@ runs the user's own step instead (:mod:`nbmem.userstep`).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import torch
@@ -68,6 +69,18 @@ def run_step(
 
 
 def checked_batch(value: Any, batch_size: int) -> Any:
+    """The batch as the step uses it: a tensor, a tuple/list of tensors, or a plain dict of tensors.
+
+    A mapping that is not a dict (Hugging Face's ``BatchEncoding``, a tokenizer's
+    output, is a ``UserDict``) becomes a dict, so that it is passed as keyword
+    arguments like one.
+
+    >>> from collections import UserDict
+    >>> checked_batch(UserDict(input_ids=torch.zeros(2, 3)), 2)["input_ids"].shape
+    torch.Size([2, 3])
+    """
+    if isinstance(value, Mapping) and not isinstance(value, dict):
+        value = dict(value)
     if isinstance(value, torch.Tensor) or (
         isinstance(value, (tuple, list)) and value and all(isinstance(item, torch.Tensor) for item in value)
     ) or (isinstance(value, dict) and value and all(isinstance(item, torch.Tensor) for item in value.values())):
@@ -109,14 +122,65 @@ def _forward(model: nn.Module, inputs: Any) -> Any:
 
 
 def _default_loss(output: Any, inputs: Any) -> torch.Tensor:
-    if hasattr(output, "loss") and isinstance(output.loss, torch.Tensor):
-        return output.loss
-    if isinstance(output, (tuple, list)):  # e.g. an LSTM's (output, (h, c))
-        output = output[0]
+    """The loss nbmem assumes when the user passes none (see :func:`nbmem.estimate`).
+
+    A model's own loss first (Hugging Face's ``output.loss`` when the batch
+    has labels); else the main output (``logits``, a dict's ``"out"`` as
+    torchvision's segmentation models return, a tuple's first item) against
+    the targets: cross-entropy for integer targets, with the classes last
+    (a language model's logits) or second (a segmentation map); MSE for float
+    targets of the output's shape; the output's mean without targets.
+
+    >>> logits = torch.zeros(2, 5, 10)              # (batch, sequence, vocabulary)
+    >>> round(_default_loss({"logits": logits}, (None, torch.zeros(2, 5, dtype=torch.long))).item(), 4)
+    2.3026
+    """
+    own = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(own, torch.Tensor):
+        return own
+    output = _main_output(output)
     targets = inputs[1] if isinstance(inputs, (tuple, list)) and len(inputs) > 1 else None
     if targets is not None and not targets.is_floating_point() and output.dim() >= 2:
-        return nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten())
+        if output.shape[:-1] == targets.shape:  # classes last: (batch, classes), (batch, sequence, vocabulary)
+            return nn.functional.cross_entropy(output.float().flatten(0, -2), targets.flatten())
+        if output.shape[:1] + output.shape[2:] == targets.shape:  # classes second: (batch, classes, height, width)
+            return nn.functional.cross_entropy(output.float(), targets)
+        raise ValueError(
+            f"nbmem's default loss can't pair the model's output of shape {tuple(output.shape)} with integer targets "
+            f"of shape {tuple(targets.shape)} (it expects the classes in the last or the second dimension): pass "
+            "loss=lambda output, batch: ... that returns the loss"
+        )
     if targets is not None and targets.is_floating_point() and targets.shape == output.shape:
         return nn.functional.mse_loss(output.float(), targets.float())
     mean: torch.Tensor = output.float().mean()
     return mean
+
+
+def _main_output(output: Any) -> torch.Tensor:
+    """The tensor the default loss is taken from, or the model's own loss; ValueError when there is none."""
+    if isinstance(output, Mapping):  # a dict, or Hugging Face's ModelOutput (an OrderedDict without its None fields)
+        for key in ("logits", "out"):
+            if isinstance(output.get(key), torch.Tensor):
+                return output[key]  # type: ignore[no-any-return]
+        tensors = [key for key, value in output.items() if isinstance(value, torch.Tensor)]
+        if len(tensors) == 1:
+            return output[tensors[0]]  # type: ignore[no-any-return]
+        raise ValueError(
+            f"the model returned {type(output).__name__} with keys {list(output)}: nbmem's default loss looks for "
+            "'loss', 'logits' or 'out', or a single tensor; pass loss=lambda output, batch: ... that returns "
+            "the loss (or step= with your own training step)"
+        )
+    if isinstance(output, (tuple, list)) and output:  # e.g. an LSTM's (output, (h, c)); a tuple (loss, logits)
+        output = output[0]
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point():
+        raise ValueError(
+            f"the model returned {_described(output)}, not a floating-point tensor nbmem's default loss can use: "
+            "pass loss=lambda output, batch: ... that returns the loss (or step= with your own training step)"
+        )
+    return output
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor"
+    return "None" if value is None else f"a {type(value).__name__}"

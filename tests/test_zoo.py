@@ -1,0 +1,272 @@
+"""Real models (Hugging Face transformers, PEFT, timm, torchvision): every what-if estimate against a tracked run.
+
+The models are tiny configurations with random weights (tests/_zoo.py);
+nothing is downloaded. transformers and peft come with the ``zoo`` extra;
+timm and torchvision only in CI's second environment (torch 2.14.1 with
+torchvision 0.29.1, see .ci/run), whose run takes the tests marked ``vision``.
+A missing library skips its tests, unless NBMEM_REQUIRE_ZOO=1 (transformers,
+peft) or NBMEM_REQUIRE_VISION=1 (timm, torchvision) says it must be there:
+then it fails.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from _zoo import ZOO, causal_lm_batch, gpt2, image_batch, padded_batch
+from nbmem.allocator import round_allocation
+from nbmem.estimation import estimate
+
+
+def need(*modules: str, env: str) -> None:
+    """Import ``modules`` or skip (fail when ``env`` is 1: CI must test them)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:  # torchvision's CUDA wheels also fail with RuntimeError; that should fail loudly
+            if os.environ.get(env) == "1":
+                pytest.fail(f"{env}=1 but {name} can't be imported: {error}")
+            pytest.skip(f"{name} is not installed ({error}); the zoo's CI run installs it")
+
+
+def need_zoo(vision: bool) -> None:
+    need("transformers", "peft", env="NBMEM_REQUIRE_ZOO")
+    # peft imports some submodules only when first used; under fake tensors their
+    # import-time constants would become fake (and be counted): import them here
+    need("peft.tuners.loha", "peft.tuners.lokr", env="NBMEM_REQUIRE_ZOO")
+    if vision:
+        need("timm", "torchvision", env="NBMEM_REQUIRE_VISION")
+
+
+#: A covering set, not the cross product: every precision, optimizer, checkpointing
+#: and accumulation value once per model, and checkpointing with each mixed precision.
+CONFIGURATIONS = [
+    {},                                                                     # fp32, adamw
+    {"precision": "bf16", "optimizer": "sgd", "accumulation": 2},
+    {"precision": "fp16", "optimizer": "sgd-momentum", "checkpointing": True},
+    {"optimizer": "adam", "checkpointing": True},
+    {"precision": "bf16-weights", "optimizer": "adagrad"},
+    {"precision": "bf16", "optimizer": "rmsprop", "checkpointing": True, "accumulation": 2},
+]
+
+ZOO_PARAMETERS = [
+    pytest.param(name, marks=[pytest.mark.vision] if vision else []) for name, (_, _, vision) in ZOO.items()
+]
+
+
+@pytest.mark.parametrize("name", ZOO_PARAMETERS)
+@pytest.mark.parametrize(
+    "knobs", CONFIGURATIONS, ids=lambda knobs: ",".join(f"{k}={v}" for k, v in knobs.items()) or "fp32-adamw"
+)
+def test_real_model_estimate_agrees_with_a_tracked_run(name, knobs):
+    """GPT-2, Llama, BERT (masked LM, classifier), T5, a ViT, a LoRA Llama (transformers + peft); timm's ResNet,
+    ViT, ConvNeXt and EfficientNet; torchvision's LR-ASPP segmentation, each in the six CONFIGURATIONS: the
+    estimate on fake tensors gives the tracked run's bytes, both steps, to the byte; vision models under
+    mixed precision to within 0.2 % (not the 0.1 % aimed at), for the reason given below."""
+    build, make, vision = ZOO[name]
+    need_zoo(vision)
+    torch.manual_seed(0)
+    estimated = estimate(build, make, batch_size=2, **knobs)
+    torch.manual_seed(0)
+    tracked = estimate(build, make, batch_size=2, mode="tracked", **knobs)
+    expected, got = (tracked.first_step, tracked.steady), (estimated.first_step, estimated.steady)
+    if vision and knobs.get("precision") in ("bf16", "fp16"):
+        # Under CPU autocast, batch and layer norms keep their saved mean and rstd in fp32 for bf16/fp16
+        # inputs; PyTorch's meta kernels, which fake tensors run, give them the input's dtype: a few 512 B
+        # blocks less in the estimate (tracked more by 0.04 % on ResNet, 0.13 % on ConvNeXt, 0.14 % on LR-ASPP,
+        # measured here; transformers' models, whose norms autocast runs in fp32, agree exactly)
+        for estimated_bytes, tracked_bytes in zip(got, expected):
+            assert 0 <= tracked_bytes - estimated_bytes <= tracked_bytes * 0.002
+    else:
+        assert got == expected
+    assert estimated.checkpointing == tracked.checkpointing
+    if knobs.get("checkpointing"):
+        assert estimated.checkpointing.startswith("on (")
+
+
+def test_frozen_backbone_counts_gradients_and_state_of_the_head_only():
+    head_bytes = 1024 * 10 * 4 + 512  # weight 40960 B (a multiple of 512); bias 40 B, rounded to 512
+    build = lambda: nn.Sequential(nn.Linear(1024, 1024).requires_grad_(False), nn.ReLU(), nn.Linear(1024, 10))
+    make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
+    for mode in ("estimated", "tracked"):
+        result = estimate(build, make, batch_size=4, optimizer="adam", foreach=False, mode=mode)
+        categories = dict(result.breakdown.at_peak)
+        # the peak is in Adam's update, every gradient alive: the head's only
+        assert categories["gradient"] == head_bytes
+        # exp_avg and exp_avg_sq per trainable parameter, and a 4-byte step counter each (512 B)
+        assert categories["optimizer state"] == 2 * head_bytes + 2 * 512
+        # the frozen backbone is only a parameter: 1024 * 1024 * 4 + 4096 B
+        assert categories["parameter"] == 1024 * 1024 * 4 + 4096 + head_bytes
+
+
+def test_lora_trains_only_its_adapters():
+    need_zoo(vision=False)
+    from _zoo import lora_llama
+
+    model = lora_llama()
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    adapter_bytes = sum(round_allocation(parameter.numel() * 4) for parameter in trainable)
+    assert len(trainable) == 8  # lora_A and lora_B on q_proj and v_proj in 2 layers
+    for mode in ("estimated", "tracked"):
+        result = estimate(lora_llama, padded_batch, batch_size=2, optimizer="sgd-momentum", mode=mode)
+        # SGD's momentum buffer: one per trainable parameter, none for the frozen base model
+        assert result.breakdown.category("optimizer state") == adapter_bytes
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (lambda: nn.Linear(16, 16).requires_grad_(False), "every parameter of the model \\(Linear\\) is frozen"),
+        (lambda: nn.ReLU(), "has no parameters"),
+    ],
+)
+def test_a_model_with_nothing_to_train_gets_a_clear_message(build, message):
+    with pytest.raises(ValueError, match=message):
+        estimate(build, lambda n: torch.randn(n, 16), batch_size=4)
+    with pytest.raises(ValueError, match=message):
+        estimate(build(), lambda n: torch.randn(n, 16), batch_size=4, mode="tracked")
+
+
+class Returns(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.linear = nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return {"none": None, "dict": {"out": out}, "two": {"a": out, "b": out}, "int": out.long()}[self.kind]
+
+
+def test_outputs_the_default_loss_can_and_cannot_use():
+    make = lambda n: (torch.randn(n, 16), torch.randint(0, 4, (n,)))
+    # a dict's "out" pairs with integer targets by cross-entropy: the same step as a plain tensor output
+    plain = estimate(nn.Linear(16, 4), make, batch_size=8, optimizer="sgd")
+    assert estimate(Returns("dict"), make, batch_size=8, optimizer="sgd").peak == plain.peak
+    for kind, message in [
+        ("none", "returned None.*pass loss="),
+        ("two", "keys \\['a', 'b'\\].*pass loss="),
+        ("int", "torch.int64 tensor.*pass loss="),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            estimate(Returns(kind), make, batch_size=8)
+
+
+def test_segmentation_targets_and_unpairable_shapes():
+    seg = lambda: nn.Conv2d(3, 4, 1)
+    make = lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n, 8, 8)))
+    estimated = estimate(seg, make, batch_size=2, optimizer="sgd")
+    assert estimated.peak == estimate(seg, make, batch_size=2, optimizer="sgd", mode="tracked").peak
+    with pytest.raises(ValueError, match="can't pair the model's output of shape \\(2, 4, 8, 8\\).*\\(2, 5\\)"):
+        estimate(seg, lambda n: (torch.randn(n, 3, 8, 8), torch.randint(0, 4, (n, 5))), batch_size=2)
+
+
+def test_hugging_face_checkpointing_is_its_own_and_leaves_the_users_model_alone():
+    """GPT-2 keeps its default use_cache=True: nbmem's copy turns the cache off, the user's model keeps it."""
+    need_zoo(vision=False)
+    model = gpt2()
+    assert model.config.use_cache
+    results = [estimate(model, padded_batch, batch_size=2, checkpointing=True, mode=mode)
+               for mode in ("estimated", "tracked")]
+    assert results[0].peak == results[1].peak
+    assert results[0].checkpointing == "on (Hugging Face activation_checkpointing_enable, use_cache=False)"
+    assert any("the model's own switch" in note for note in results[0].notes)
+    assert any("attention mask on fake tensors" in note for note in results[0].notes)
+    assert model.config.use_cache and not model.transformer.h[0].gradient_checkpointing
+    # less than without checkpointing, which keeps every block's activations
+    assert results[0].peak < estimate(model, padded_batch, batch_size=2).peak
+    # nbmem's own choice of blocks turns the cache off too: with it on, the recomputed forward appended to the
+    # KV cache a second time ("Attempting to broadcast a dimension of length 32", issue 11)
+    block = type(model.transformer.h[0])
+    chosen = [estimate(model, padded_batch, batch_size=2, checkpointing=lambda module: isinstance(module, block),
+                       mode=mode) for mode in ("estimated", "tracked")]
+    assert chosen[0].peak == chosen[1].peak
+    assert any("use_cache=False" in note for note in chosen[0].notes) and model.config.use_cache
+
+
+def test_an_instance_and_a_factory_give_the_same_bytes():
+    """Issue 11, point 4: a module instance run tracked counted the user's own parameters a second time."""
+    need_zoo(vision=False)
+    peaks = {
+        (how, mode): estimate(model, causal_lm_batch, batch_size=2, mode=mode).peak
+        for how, model in (("factory", gpt2), ("instance", gpt2()))
+        for mode in ("estimated", "tracked")
+    }
+    assert len(set(peaks.values())) == 1, peaks
+
+
+@pytest.mark.vision
+def test_timm_instance_factory_and_own_checkpointing():
+    need_zoo(vision=True)
+    build = ZOO["timm-resnet"][0]
+    peaks = {estimate(model, image_batch, batch_size=2, mode=mode).peak
+             for model in (build, build()) for mode in ("estimated", "tracked")}
+    assert len(peaks) == 1
+    checkpointed = estimate(build, image_batch, batch_size=2, checkpointing=True)
+    assert checkpointed.checkpointing == "on (timm set_grad_checkpointing)"
+
+
+class DropPathRates(nn.Module):
+    """Reads tensor values in its constructor, as timm's ViT and ConvNeXt do for their drop-path rates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        rates = torch.linspace(0, 0.1, 3).tolist()
+        self.blocks = nn.Sequential(*[nn.Linear(64, 64) for _ in rates])
+        self.register_buffer("scale", torch.ones(64))
+
+    def forward(self, x):
+        return self.blocks(x) * self.scale
+
+
+def test_a_constructor_that_reads_values_is_built_with_empty_weights():
+    make = lambda n: torch.randn(n, 64)
+    estimated = estimate(DropPathRates, make, batch_size=4, optimizer="adam")
+    tracked = estimate(DropPathRates, make, batch_size=4, optimizer="adam", mode="tracked")
+    assert (estimated.first_step, estimated.steady) == (tracked.first_step, tracked.steady)
+    # 3 weights of 64 * 64 * 4 = 16384 B, 3 biases of 256 B rounded to 512
+    assert estimated.breakdown.category("parameter") == 3 * (16384 + 512)
+    assert estimated.breakdown.category("buffer") == 512
+    assert any("aten._local_scalar_dense" in note and "meta device" in note for note in estimated.notes)
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        return x * 2 if x.sum().item() > 0 else x
+
+
+class ReadsInForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.linear(x))
+
+
+def test_a_step_that_reads_values_names_the_op_and_the_module():
+    with pytest.raises(ValueError) as caught:
+        estimate(ReadsInForward, lambda n: torch.randn(n, 8), batch_size=4)
+    message = str(caught.value)
+    assert "training step can't run on fake tensors" in message
+    assert "aten._local_scalar_dense" in message and "in module gate (Gate)" in message
+    assert "test_zoo.py:" in message and "mode='tracked'" in message
+    assert estimate(ReadsInForward, lambda n: torch.randn(n, 8), batch_size=4, mode="tracked").peak > 0
+
+
+def test_a_downloading_factory_points_to_from_config(tmp_path):
+    need_zoo(vision=False)
+    from transformers import AutoModelForCausalLM
+
+    def download():
+        return AutoModelForCausalLM.from_pretrained("gpt2", cache_dir=tmp_path, local_files_only=True)
+
+    with pytest.raises(ValueError, match="from_config") as caught:
+        estimate(download, causal_lm_batch, batch_size=2)
+    assert isinstance(caught.value.__cause__, OSError)
