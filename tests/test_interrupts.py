@@ -284,10 +284,28 @@ def test_an_interrupt_at_every_line_of_the_install_and_remove_paths(training):
     model, optimizer, batch = training
     cell = lambda: run_cell("breakdown", model, optimizer, batch)  # noqa: E731
     cell()
+    lines = _lines_run(cell, lambda code: code.co_filename.startswith(NBMEM) and code.co_name in INSTALL_REMOVE)
+    # A function's first line runs before any of its own code can catch what it raises. Inside
+    # nbmem the caller's handler does; for the two entries a user's code calls to close a scope
+    # (stop, and __exit__ for a with statement) nothing in nbmem can: they are left out, and
+    # %unload_ext nbmem removes what such an interrupt leaves (test_unload_ext_...).
+    for entry in ("stop", "__exit__"):
+        lines.remove((entry, min(number for name, number in lines if name == entry)))
+    assert len(lines) > 100
+    tracker = default_tracker("cpu")
+    for where in lines:
+        _interrupt_at_line(where, cell)
+        assert leftovers(model) == [], f"after an interrupt at {where}"
+        assert_consistent(tracker)
+    assert_next_cell_exact()
+
+
+def _lines_run(cell: Callable[[], None], wanted: Callable[[Any], bool]) -> list[tuple[str, int]]:
+    """(function, line) of every line ``cell`` runs in code objects ``wanted`` accepts, in first-run order."""
     lines: list[tuple[str, int]] = []
 
     def note(frame: Any, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(NBMEM) or frame.f_code.co_name not in INSTALL_REMOVE:
+        if not wanted(frame.f_code):
             return None
 
         def line(frame: Any, event: str, arg: Any) -> Any:
@@ -302,25 +320,17 @@ def test_an_interrupt_at_every_line_of_the_install_and_remove_paths(training):
         cell()
     finally:
         sys.settrace(None)
-    # A function's first line runs before any of its own code can catch what it raises. Inside
-    # nbmem the caller's handler does; for the two entries a user's code calls to close a scope
-    # (stop, and __exit__ for a with statement) nothing in nbmem can: they are left out, and
-    # %unload_ext nbmem removes what such an interrupt leaves (test_unload_ext_...).
-    for entry in ("stop", "__exit__"):
-        lines.remove((entry, min(number for name, number in lines if name == entry)))
-    assert len(lines) > 100
-    tracker = default_tracker("cpu")
-    for where in lines:
-        sys.settrace(_AtLine(where))
-        try:
-            cell()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-        assert leftovers(model) == [], f"after an interrupt at {where}"
-        assert_consistent(tracker)
-    assert_next_cell_exact()
+    return lines
+
+
+def _interrupt_at_line(where: tuple[str, int], cell: Callable[[], None]) -> None:
+    sys.settrace(_AtLine(where))
+    try:
+        cell()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
 
 
 def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
@@ -330,32 +340,10 @@ def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
     cell = "y = model(torch.ones(4, 8)).sum()\ny.backward()\nmodel.zero_grad(set_to_none=True)\ny"
     run = lambda: shell.run_cell_magic("gpumem", "-q", cell)  # noqa: E731
     run()
-    lines: list[tuple[str, int]] = []
-
-    def note(frame: Any, event: str, arg: Any) -> Any:
-        if frame.f_code.co_filename != os.path.join(NBMEM, "magics.py") or frame.f_code.co_name != "_measure_cell":
-            return None
-
-        def line(frame: Any, event: str, arg: Any) -> Any:
-            if event == "line" and (frame.f_code.co_name, frame.f_lineno) not in lines:
-                lines.append((frame.f_code.co_name, frame.f_lineno))
-            return line
-
-        return line
-
-    sys.settrace(note)
-    try:
-        run()
-    finally:
-        sys.settrace(None)
+    magics = os.path.join(NBMEM, "magics.py")
+    lines = _lines_run(run, lambda code: code.co_filename == magics and code.co_name == "_measure_cell")
     assert len(lines) > 15
     for where in lines:
-        sys.settrace(_AtLine(where))
-        try:
-            run()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
+        _interrupt_at_line(where, run)
         assert leftovers(model) == [], f"after an interrupt at magics.{where[0]} line {where[1]}"
     assert_next_cell_exact()
