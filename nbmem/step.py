@@ -26,7 +26,10 @@ from torch import nn
 
 from .building import default_device
 
-__all__ = ["run_step", "checked_batch", "cast_floats", "moved_to"]
+__all__ = ["run_step", "prepared_batch", "checked_batch", "cast_floats", "moved_to", "AUTOCAST_DTYPES"]
+
+#: The autocast dtype of each mixed precision (the others run without autocast).
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def run_step(
@@ -41,15 +44,9 @@ def run_step(
     device: torch.device,
     autocast_region: Callable[..., Any] = torch.autocast,
 ) -> None:
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = AUTOCAST_DTYPES.get(precision)
     for _ in range(accumulation):
-        with default_device(device):
-            inputs = checked_batch(batch_fn(batch_size), batch_size)
-        if device.type == "cuda":
-            inputs = moved_to(inputs, device)
-        if precision.endswith("-weights"):
-            weight_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
-            inputs = cast_floats(inputs, weight_dtype)
+        inputs = prepared_batch(batch_fn, batch_size, precision, device)
         # autocast_region: torch.autocast, or one that follows CUDA's op lists on the CPU (nbmem.autocast_policy)
         autocast = autocast_region(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with autocast:
@@ -66,6 +63,25 @@ def run_step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+
+
+def prepared_batch(
+    batch_fn: Callable[[int], Any], batch_size: int, precision: str, device: torch.device, *, checked: bool = True
+) -> Any:
+    """The factory's batch for ``batch_size``, on the run's device, floats cast for a "-weights" precision.
+
+    ``checked``: in a shape the built-in step can feed to the model (see :func:`checked_batch`);
+    a user's own step takes the batch as the factory made it.
+    """
+    with default_device(device):
+        batch = batch_fn(batch_size)
+        if checked:
+            batch = checked_batch(batch, batch_size)
+    if device.type == "cuda":
+        batch = moved_to(batch, device)
+    if precision.endswith("-weights"):
+        batch = cast_floats(batch, torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    return batch
 
 
 def checked_batch(value: Any, batch_size: int) -> Any:

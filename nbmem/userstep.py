@@ -68,8 +68,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .building import _FakeDeepcopy, default_device
-from .step import cast_floats, moved_to
+from .building import _FakeDeepcopy
+from .step import AUTOCAST_DTYPES, prepared_batch
 
 __all__ = ["estimating", "check_step", "run_user_step", "step_name", "user_step_notes", "AlwaysSteppingScaler",
            "fake_error_message", "real_tensor_message", "BUILT_IN", "step_label"]
@@ -186,7 +186,7 @@ def run_user_step(
 
     ``autocast_region``: torch.autocast, or one that follows CUDA's op lists on the CPU (nbmem.autocast_policy).
     """
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    dtype = AUTOCAST_DTYPES.get(precision)
     autocast = autocast_region(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     # copy.deepcopy of a fake module lands in a new fake mode and fails ("Mixing fake modes"): an EMA
     # copy made with deepcopy gets fresh fake tensors of the current mode, as a model factory does
@@ -207,9 +207,9 @@ def run_user_step(
         # holds no reference to it while a plain function runs (CPython moves the arguments into its frame)
         with copies, autocast:
             if scaler is not None and _accepts(step, 4):
-                step(model, _prepared(batch_fn, batch_size, precision, device), optimizer, scaler)
+                step(model, prepared_batch(batch_fn, batch_size, precision, device, checked=False), optimizer, scaler)
             else:
-                step(model, _prepared(batch_fn, batch_size, precision, device), optimizer)
+                step(model, prepared_batch(batch_fn, batch_size, precision, device, checked=False), optimizer)
     finally:
         for handle in emptied:
             handle.remove()
@@ -244,17 +244,6 @@ def user_step_notes(step: Callable[..., Any], precision: str, device: torch.devi
             else "fp16: your step takes no 4th argument (scaler), so no GradScaler ran (its memory is a few scalars)"
         )
     return notes
-
-
-def _prepared(batch_fn: Callable[[int], Any], batch_size: int, precision: str, device: torch.device) -> Any:
-    """The factory's batch for ``batch_size``, on the run's device, floats cast for a "-weights" precision."""
-    with default_device(device):
-        batch = batch_fn(batch_size)
-    if device.type == "cuda":
-        batch = moved_to(batch, device)
-    if precision.endswith("-weights"):
-        batch = cast_floats(batch, torch.bfloat16 if precision.startswith("bf16") else torch.float16)
-    return batch
 
 
 def fake_error_message(error: BaseException, step: Callable[..., Any]) -> str:
