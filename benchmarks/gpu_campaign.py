@@ -449,7 +449,7 @@ def magic(budget: Budget) -> dict[str, Any]:
 
 def max_batch(budget: Budget) -> dict[str, Any]:
     from nbmem.estimation import estimate
-    from nbmem.whatif import max_batch_size
+    from nbmem.batchsize import max_batch_size
 
     build = lambda: nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))  # noqa: E731
     make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))  # noqa: E731

@@ -61,12 +61,12 @@ _LAZY = {
     "estimate": "estimation",
     "estimating": "userstep",
     "sweep": "whatif",
-    "max_batch_size": "whatif",
+    "max_batch_size": "batchsize",
     "explore": "explorer",
     "launch": "launcher",
     "Launch": "launcher",
     "STRATEGIES": "parallel",
-    "Comparison": "whatif",
+    "Comparison": "comparison",
     "Estimate": "estimation",
     "free": "reclaim",
     "Reclaimed": "reclaim",
@@ -85,7 +85,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from .explorer import explore
     from .launcher import Launch, launch
     from .parallel import STRATEGIES
-    from .whatif import Comparison, max_batch_size, sweep
+    from .batchsize import max_batch_size
+    from .comparison import Comparison
+    from .whatif import sweep
     from .magics import history
     from .reclaim import Reclaimed, free
     from .results import Breakdown

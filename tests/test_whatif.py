@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem.whatif import Comparison
+from nbmem.comparison import Comparison
 
 MiB = 1024**2
 
