@@ -46,6 +46,8 @@ class Comparison:
 
     >>> build = lambda: torch.nn.Linear(64, 4)
     >>> make = lambda n: torch.randn(n, 64)
+    >>> import torch
+    >>> from nbmem import sweep
     >>> table = sweep(build, make, batch_size=8, optimizer=["sgd", "adamw"])
     >>> print(table)
     gpumem sweep: peak allocated in KiB, estimated
