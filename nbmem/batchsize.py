@@ -140,6 +140,7 @@ def max_batch_size(
     parallel: str = "single",
     world_size: int = 1,
     step: Any = None,
+    trainable: Any = None,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
 
@@ -169,6 +170,10 @@ def max_batch_size(
     ``step`` is your own training step, ``step(model, batch, optimizer)``
     (see :func:`nbmem.estimate`): the size is then the largest batch your
     step fits, estimated and verified with that step.
+
+    ``trainable`` (``"all"``, ``"head"``, ``"lora"``, a PEFT config or a
+    predicate over parameter names; see :func:`nbmem.estimate`) chooses what
+    trains: the largest batch for that kind of fine-tuning.
 
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
@@ -201,7 +206,7 @@ def max_batch_size(
     capacity, label = parse_capacity(device)
     check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
     options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
-                   accumulation=accumulation, parallel=parallel, world_size=world_size, step=step)
+                   accumulation=accumulation, parallel=parallel, world_size=world_size, step=step, trainable=trainable)
     estimates = 0
 
     def estimated(size: int) -> Estimate:

@@ -19,7 +19,7 @@ from torch import nn
 from .fakemode import new_fake_mode
 
 __all__ = ["fresh_model", "repeated_blocks", "apply_precision_and_checkpointing", "new_fake_mode", "FAKE_ERRORS",
-           "without_onednn", "default_device", "fake_failure"]
+           "without_onednn", "default_device", "fake_failure", "materialize_meta"]
 
 
 @contextlib.contextmanager
@@ -49,7 +49,9 @@ FAKE_ERRORS = _fake_errors()
 _FAKE_BUILD_ERRORS: tuple[type[BaseException], ...] = (*FAKE_ERRORS, RuntimeError)
 
 
-def fresh_model(model: Any, fake_mode: Any, device: torch.device, notes: list[str] | None = None) -> nn.Module:
+def fresh_model(
+    model: Any, fake_mode: Any, device: torch.device, notes: list[str] | None = None, require_trainable: bool = True
+) -> nn.Module:
     """A model of nbmem's own on ``device``: built by the factory, or copied (as fake tensors when estimating).
 
     Call it inside ``fake_mode`` (and inside the tracker, which then sees the
@@ -58,7 +60,8 @@ def fresh_model(model: Any, fake_mode: Any, device: torch.device, notes: list[st
     can't answer, is built for real with its parameters and buffers on the
     meta device, as accelerate's ``init_empty_weights`` does, and those are
     then made fake; ``notes`` says so. A model with nothing to train is a
-    ValueError that says what to do.
+    ValueError that says what to do (unless ``require_trainable`` is False:
+    the caller chooses what trains, nbmem.finetune).
 
     >>> copied = fresh_model(nn.Linear(4, 2), None, torch.device("cpu"))
     >>> copied.weight.shape
@@ -70,7 +73,8 @@ def fresh_model(model: Any, fake_mode: Any, device: torch.device, notes: list[st
         built = _built(model, fake_mode, device, notes if notes is not None else [])
     else:
         raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
-    _check_trainable(built)
+    if require_trainable:
+        _check_trainable(built)
     if fake_mode is not None and notes is not None and type(built).__module__.startswith(("transformers.", "peft.")):
         # transformers' masking_utils skips the causal mask when the attention mask has no padding, which it
         # can't see on fake tensors (is_tracing): it builds the mask, as a padded batch would need
@@ -177,6 +181,22 @@ def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, 
     if not isinstance(built, nn.Module):
         raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
     # Inside the fake mode and the tracker again: each tensor is born here, as it would be in a fake build.
+    materialize_meta(built, device)
+    return built
+
+
+def materialize_meta(model: nn.Module, device: torch.device) -> None:
+    """Give every parameter and buffer of ``model`` on "meta" a new tensor of its shape on ``device``, in place.
+
+    Called inside the fake mode (and the tracker), each tensor is born there as
+    in a fake build; tied weights stay tied. Used for constructors that can't
+    run on fake tensors, and for PEFT's adapters (nbmem.finetune).
+
+    >>> layer = nn.Linear(4, 2, device="meta")
+    >>> materialize_meta(layer, torch.device("cpu"))
+    >>> layer.weight.device, layer.weight.requires_grad
+    (device(type='cpu'), True)
+    """
     made: dict[int, torch.Tensor] = {}
 
     def fake(tensor: torch.Tensor) -> torch.Tensor:
@@ -185,12 +205,11 @@ def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, 
             made[id(tensor)] = nn.Parameter(new, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else new
         return made[id(tensor)]
 
-    for module in built.modules():
+    for module in model.modules():
         for table in (module._parameters, module._buffers):
             for name, tensor in table.items():
                 if tensor is not None and tensor.is_meta:
                     table[name] = fake(tensor)  # type: ignore[assignment]
-    return built
 
 
 def _release_failed_build(error: BaseException | None) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from .estimation import Estimate
+from .finetune import trainable_label
 from .userstep import BUILT_IN
 from .results import text_table
 from .units import format_bytes
@@ -14,7 +15,7 @@ from .units import format_bytes
 __all__ = ["Comparison", "SweepRow", "AXES"]
 
 #: The knobs a sweep can vary, in the order a table shows them.
-AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation", "parallel", "world_size")
+AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation", "parallel", "world_size", "trainable")
 
 _UNITS = (("B", 1), ("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3), ("TiB", 1024**4))
 
@@ -32,7 +33,9 @@ class SweepRow:
         return None if self.result is None else self.result.peak
 
     def value(self, axis: str) -> Any:
-        return dict(self.config)[axis]
+        """The knob's value; what trains by its label (a predicate or a PEFT config has no readable value)."""
+        value = dict(self.config)[axis]
+        return trainable_label(value) if axis == "trainable" else value
 
 
 class Comparison:
@@ -165,7 +168,7 @@ class Comparison:
         """One dict per configuration: its knobs, peaks (bytes), the breakdown at the peak, or the error."""
         records = []
         for row in self.rows:
-            record: dict[str, Any] = dict(row.config)
+            record: dict[str, Any] = {axis: row.value(axis) for axis, _ in row.config}
             record["mode"] = self.mode
             record["error"] = row.error
             if row.result is not None:

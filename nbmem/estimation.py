@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .attention import FusedAttention
+from .finetune import Trained, TrainedWatch, apply_trainable, check_trainable
 from .autocast_policy import AUTOCAST_POLICIES, CudaAutocastPolicy
 from .building import (
     FAKE_ERRORS,
@@ -131,6 +132,8 @@ class Estimate:
     notes: tuple[str, ...] = ()
     #: Which training step ran: nbmem's built-in one (nbmem.step) or the user's (estimate(step=...)).
     step: str = BUILT_IN
+    #: With trainable=: what trained and its own bytes (nbmem.finetune.Trained); None: the model as it came.
+    trained: Trained | None = None
     overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
 
     @property
@@ -196,6 +199,7 @@ class Estimate:
                 "overheads below"
             )
         lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
+        lines += [f"  {name:<15}  {text}" for name, text in (self.trained.rows(self.mode) if self.trained else [])]
         lines += [f"  not included: {name} about {format_bytes(size)} ({why})" for name, size, why in self.overheads]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
@@ -227,6 +231,7 @@ def estimate(
     rank: int = 0,
     step: Callable[..., Any] | None = None,
     autocast_policy: str = "cuda",
+    trainable: Any = None,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -269,6 +274,13 @@ def estimate(
     unset. On fake tensors nothing has a value: guard ``loss.item()`` with
     ``if not nbmem.estimating():``.
 
+    ``trainable`` chooses what trains (:mod:`nbmem.finetune`): ``"all"``,
+    ``"head"``, ``"lora"`` (PEFT's defaults), a PEFT config such as
+    ``peft.LoraConfig(r=16)``, or a predicate over parameter names; None
+    (the default) leaves the model as it comes. Frozen parameters get no
+    gradient and no optimizer state; the result's ``trained`` gives the
+    trained parameters' own bytes.
+
     ``precision="bf16"``/``"fp16"`` autocast follows CUDA's op lists
     (``autocast_policy="cuda"``, :mod:`nbmem.autocast_policy`), also in a
     tracked run, whose CPU kernels then compute in the dtypes CUDA would
@@ -291,6 +303,7 @@ def estimate(
     batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
     _check(batch_size, precision, optimizer, accumulation)
     check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
+    check_trainable(trainable)
     if autocast_policy not in AUTOCAST_POLICIES:
         raise ValueError(f"unknown autocast_policy {autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)")
     autocast = precision in ("bf16", "fp16") and mode != "measured"
@@ -329,7 +342,8 @@ def estimate(
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
         with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole, contextlib.ExitStack() as target_rules:
-            network = fresh_model(model, fake_mode, run_on, notes)
+            network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None)
+            network = apply_trainable(network, trainable, notes)
             block = repeated_blocks(network)
             chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = _optimizer_factory(optimizer)
@@ -349,6 +363,7 @@ def estimate(
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
                                              run_on, fake_mode is not None, autocast_region=region)
             peaks, reserved, breakdowns = [], [], []
+            watch = TrainedWatch(network, whole.tracker, trainable) if trainable is not None else None
             for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
                 if rule is not None:
                     target_rules.enter_context(rule)
@@ -363,6 +378,7 @@ def estimate(
                     reserved.append(result.peak_reserved - before[1])
                 breakdowns.append(result.breakdown)
             parameters = sum(parameter.numel() for parameter in network.parameters())
+            trained = watch.close(opt) if watch is not None else None
     except FAKE_ERRORS as error:
         if step is not None:
             raise ValueError(fake_error_message(error, step)) from error
@@ -422,6 +438,7 @@ def estimate(
         rank=rank,
         notes=tuple(notes),
         step=step_label(step),
+        trained=trained,
     )
 
 

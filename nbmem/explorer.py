@@ -9,12 +9,15 @@ machine, to check the estimate.
 from __future__ import annotations
 
 import html
+import importlib.util
 import time
 from typing import Any
 
 from . import _env
 from .devices import PRESETS, parse_capacity
 from .estimation import OPTIMIZERS, PRECISIONS, Estimate, estimate
+from .finetune import AS_BUILT, check_trainable, trainable_label
+from .finetune import PRESETS as TRAINABLE_PRESETS
 from .parallel import STRATEGIES, check_parallel
 from .results import stacked_bar_html
 from .units import format_bytes
@@ -49,6 +52,7 @@ class Explorer:
         parallel: str = "single",
         world_size: int = 1,
         step: Any = None,
+        trainable: Any = None,
     ) -> None:
         import ipywidgets as widgets
 
@@ -57,6 +61,7 @@ class Explorer:
         check_step(step, accumulation=accumulation, loss=None, optimizer=optimizer, parallel=parallel,
                    precision=precision)
         self.step = step  # the user's own training step (None: nbmem's built-in one)
+        check_trainable(trainable)
         optimizers = list(OPTIMIZERS) + ([OWN_OPTIMIZER] if step is not None else [])
         if world_size not in WORLD_SIZES:
             raise ValueError(f"the explorer offers world sizes {', '.join(map(str, WORLD_SIZES))}, got {world_size}")
@@ -81,6 +86,8 @@ class Explorer:
                                          style=style),
             "world_size": widgets.Dropdown(options=list(WORLD_SIZES), value=world_size, description="GPUs",
                                            disabled=parallel == "single", style=style),
+            "trainable": widgets.Dropdown(options=_trainable_menu(trainable), value=_menu_value(trainable),
+                                          description="trains", style=style),
         }
         self.chart = widgets.HTML()
         self.chart.add_class("nbmem-explore-chart")
@@ -103,6 +110,8 @@ class Explorer:
         config = {name: control.value for name, control in self.controls.items()}
         if config["optimizer"] == OWN_OPTIMIZER:
             config["optimizer"] = None
+        if config["trainable"] == AS_BUILT:  # a menu value can't be None
+            config["trainable"] = None
         return {**config, "step": self.step}
 
     def _changed(self, change: Any) -> None:
@@ -120,7 +129,9 @@ class Explorer:
         """Estimate the current configuration (cached) and redraw the chart."""
         started = time.perf_counter()
         config = self.config()
-        key = tuple(sorted((name, value) for name, value in config.items() if name != "step"))
+        # a PEFT config can't be hashed: what trains is keyed by its label (the menu holds one value per label)
+        key = tuple(sorted((name, trainable_label(value) if name == "trainable" else value)
+                           for name, value in config.items() if name != "step"))
         if key not in self._cache:
             self._cache[key] = estimate(self.model, self.batch, **config)
         self.last = self._cache[key]
@@ -169,6 +180,20 @@ def _devices(device: Any) -> list[tuple[str, Any]]:
     return [(parse_capacity(device)[1], device), *presets]
 
 
+def _trainable_menu(trainable: Any) -> list[tuple[str, Any]]:
+    """The "trains" menu: as built, all, head, lora where peft is installed, and the user's own choice."""
+    menu = [(AS_BUILT, AS_BUILT), ("all", "all"), ("head", "head")]
+    if importlib.util.find_spec("peft") is not None:
+        menu.append(("lora", "lora"))
+    if trainable is not None and trainable not in TRAINABLE_PRESETS:
+        menu.append((f"yours: {trainable_label(trainable)}", trainable))
+    return menu
+
+
+def _menu_value(trainable: Any) -> Any:
+    return AS_BUILT if trainable is None else trainable
+
+
 def _chart_html(result: Estimate) -> str:
     capacity = result.capacity or result.peak
     segments = [(name, size) for name, size in result.breakdown.at_peak]
@@ -190,6 +215,8 @@ def _chart_html(result: Estimate) -> str:
         f"<div>estimated peak on <b>{html.escape(result.capacity_label)}</b>: {verdict}{reserved}; "
         f"effective batch {result.effective_batch}{scale}</div>"
         + f"<div style='color:#555'>step: {html.escape(result.step)}</div>"
+        + "".join(f"<div style='color:#555'>{html.escape(name.strip())}: {html.escape(text)}</div>"
+                  for name, text in (result.trained.rows(result.mode) if result.trained else []))
         + stacked_bar_html([*segments, ("free", free)], "nbmem-explore-bar")
         + "</div></div>"
     )
@@ -204,7 +231,9 @@ def explore(model: Any, batch: Any, **options: Any) -> Explorer | None:
     button launches real ranks on this machine for up to 4 GPUs), and
     ``step``, your own training step ``step(model, batch, optimizer)`` (see
     :func:`nbmem.estimate`; the accumulation slider is then off, and the
-    optimizer menu offers "your step's own", ``optimizer=None``).
+    optimizer menu offers "your step's own", ``optimizer=None``), and
+    ``trainable`` (see :func:`nbmem.estimate`): the "trains" menu offers
+    as built, all, head and lora (where peft is installed), and yours.
     ``model`` and ``batch`` are as for :func:`nbmem.estimate`. Each change of
     a control re-estimates on fake tensors; returns the :class:`Explorer`
     (``controls``: the widgets by knob name; ``last``: the current

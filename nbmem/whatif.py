@@ -16,6 +16,7 @@ import torch
 
 from .comparison import AXES, Comparison, SweepRow
 from .estimation import Estimate, _run_device, estimate
+from .finetune import check_trainable, trainable_label
 from .launcher import RankError, launch
 from .parallel import check_parallel
 from .userstep import check_step
@@ -50,6 +51,7 @@ def sweep(
     loss: Any = None,
     foreach: bool | None = None,
     step: Any = None,
+    trainable: Any = None,
 ) -> Comparison:
     """Run every combination of the knobs and compare their peaks.
 
@@ -72,6 +74,10 @@ def sweep(
     :func:`nbmem.estimate`); its loop shape is its own, so ``accumulation``
     stays 1.
 
+    ``trainable`` chooses what trains (:mod:`nbmem.finetune`); a list of
+    choices, e.g. ``["all", "head", "lora"]``, is an axis like the others:
+    full fine-tuning, a frozen backbone and LoRA side by side.
+
     Every configuration is isolated: a fresh model and optimizer, all freed
     (``gc.collect()``) before the next; a measured sweep also returns the
     cached blocks to CUDA (``torch.cuda.empty_cache()``) between
@@ -92,6 +98,7 @@ def sweep(
         "accumulation": _values("accumulation", accumulation),
         "parallel": _values("parallel", parallel),
         "world_size": _values("world_size", world_size),
+        "trainable": _trainable_values(trainable),
     }
     for size in grid["world_size"]:
         check_parallel("ddp", size)  # a world size that can't be fails before anything runs
@@ -126,6 +133,20 @@ def sweep(
             _isolate(mode)
     swept = tuple(axis for axis in AXES if len(grid[axis]) > 1)
     return Comparison(rows, swept, mode, capacity, label or "")
+
+
+def _trainable_values(trainable: Any) -> list[Any]:
+    """The trainable axis: every choice checked before anything runs, each with a label of its own."""
+    values = _values("trainable", trainable)
+    for value in values:
+        check_trainable(value)
+    labels = [trainable_label(value) for value in values]
+    if len(set(labels)) < len(labels):
+        raise ValueError(
+            f"two trainable choices share a name ({', '.join(labels)}), so the table can't tell them apart: "
+            "give each predicate a name of its own (def head_and_pooler(name): ...)"
+        )
+    return values
 
 
 def real_mode() -> str:
