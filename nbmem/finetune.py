@@ -281,7 +281,10 @@ class Trained:
     was seen), ``state_bytes`` the optimizer state the optimizer keeps for them
     after the last step (None when the user's step brought its own optimizer).
     Frozen parameters have no gradient and no state. ``what`` names them: "LoRA
-    adapter", "head", "every parameter", or "your choice".
+    adapter", "head", "whole model", or "parameters you chose". Under a
+    data-parallel strategy they are the reporting rank's: DDP's equal a
+    launched rank's (tested); under ZeRO and FSDP they are what that rank's
+    optimizer and gradient hooks see, not checked against a launch.
     """
 
     choice: str

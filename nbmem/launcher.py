@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .estimation import Estimate, _check, estimate, resolve_batch_size
+from .finetune import check_trainable
 from .parallel import collectives_on_copies
 from .userstep import check_step
 from .units import format_bytes
@@ -393,6 +394,7 @@ def launch(
     _check(per_rank, knobs.get("precision", "fp32"), knobs.get("optimizer", "adamw"), knobs.get("accumulation", 1))
     check_step(knobs.get("step"), accumulation=knobs.get("accumulation", 1), loss=knobs.get("loss"),
                optimizer=knobs.get("optimizer", "adamw"), parallel=parallel, precision=knobs.get("precision", "fp32"))
+    check_trainable(knobs.get("trainable"))
     cuda = torch.cuda.is_available() and mode != "tracked"
     if mode == "measured" and not cuda:
         raise ValueError("mode 'measured' launches on CUDA devices and none is available here: use mode='tracked'")

@@ -175,10 +175,18 @@ def test_lora_with_hugging_face_checkpointing_keeps_the_adapters_training():
     """transformers' checkpointing calls enable_input_require_grads for text models: the embeddings' output
     requires grad, so gradients reach the adapters inside checkpointed layers even with the embeddings frozen."""
     need_zoo(vision=False)
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
     for mode in ("estimated", "tracked"):
         result = estimate(llama, padded_batch, batch_size=2, checkpointing=True, trainable="lora", mode=mode)
         assert result.checkpointing.startswith("on (Hugging Face")
         assert result.trained.gradient_bytes == result.trained.parameter_bytes > 0
+    # nbmem's own wrapper is non-reentrant: the adapters get their gradients without the embeddings' output
+    # requiring grad, and (at this size) the same peaks; the extra input gradient is not alive at the peak
+    wrapped = estimate(llama, padded_batch, batch_size=2, checkpointing=lambda m: isinstance(m, LlamaDecoderLayer),
+                       trainable="lora")
+    assert wrapped.checkpointing == "on (your predicate)"
+    assert wrapped.trained == result.trained and (wrapped.first_step, wrapped.steady) == (result.first_step, result.steady)
 
 
 def test_sweep_over_what_trains():
@@ -204,6 +212,19 @@ def test_max_batch_size_for_a_frozen_backbone_is_larger():
     full = nbmem.max_batch_size(mlp, classes, device="24MiB", optimizer="adam", verify="tracked")
     head = nbmem.max_batch_size(mlp, classes, device="24MiB", optimizer="adam", verify="tracked", trainable="head")
     assert head.batch_size > full.batch_size
+
+
+@pytest.mark.slow
+def test_launched_ranks_train_what_the_estimate_trains():
+    """Two real DDP ranks (gloo, forked): each rank's peak and trained bytes are the estimate's."""
+    knobs = dict(batch_size=4, parallel="ddp", world_size=2, optimizer="adam", foreach=False, trainable="head")
+    estimated = estimate(mlp, classes, **knobs)
+    launched = nbmem.launch(mlp, classes, **knobs)
+    assert [rank.peak for rank in launched.ranks] == [estimated.peak] * 2
+    assert [rank.trained for rank in launched.ranks] == [estimated.trained] * 2
+    assert estimated.trained.state_bytes == 2 * HEAD + 2 * 512
+    with pytest.raises(ValueError, match="unknown trainable"):  # refused before any rank starts
+        nbmem.launch(mlp, classes, **{**knobs, "trainable": "heads"})
 
 
 def test_explorer_offers_what_trains():
