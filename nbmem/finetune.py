@@ -130,7 +130,7 @@ def apply_trainable(model: nn.Module, trainable: Any, notes: list[str]) -> nn.Mo
     if trainable is None:
         return model
     if trainable == "all":
-        model.requires_grad_(True)
+        _train_only(model, lambda parameter: True)
         return model
     if trainable == "head":
         return _train_head(model, notes)
@@ -143,9 +143,14 @@ def apply_trainable(model: nn.Module, trainable: Any, notes: list[str]) -> nn.Mo
             f"trainable={trainable_label(trainable)} matches none of the model's {len(names)} parameters, so nothing "
             f"would train. Its parameter names look like: {_a_few(model)}"
         )
-    for key, (parameter, _) in names.items():
-        parameter.requires_grad_(key in chosen)
+    _train_only(model, lambda parameter: id(parameter) in chosen)
     return model
+
+
+def _train_only(model: nn.Module, chosen: Any) -> None:
+    """Freeze every parameter but the chosen ones; only floating-point ones can train (autograd refuses others)."""
+    for parameter in model.parameters():
+        parameter.requires_grad_(bool(chosen(parameter)) and (parameter.is_floating_point() or parameter.is_complex()))
 
 
 def _names_by_parameter(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:
@@ -196,9 +201,8 @@ def head_of(model: nn.Module) -> tuple[str, nn.Module]:
 
 def _train_head(model: nn.Module, notes: list[str]) -> nn.Module:
     name, head = head_of(model)
-    model.requires_grad_(False)
-    head.requires_grad_(True)
     own = {id(parameter) for parameter in head.parameters()}
+    _train_only(model, lambda parameter: id(parameter) in own)
     tied = sorted({
         other for other, parameter in model.named_parameters(remove_duplicate=False)
         if id(parameter) in own and not other.startswith(f"{name}.")
@@ -251,12 +255,12 @@ def _with_adapters(model: nn.Module, trainable: Any, notes: list[str]) -> nn.Mod
         from .building import materialize_meta
 
         materialize_meta(wrapped, _device_of(model))
-    adapters = sum(parameter.numel() for parameter in wrapped.parameters() if parameter.requires_grad)
+    training = sum(parameter.numel() for parameter in wrapped.parameters() if parameter.requires_grad)
     targets = getattr(config, "target_modules", None)
     notes.append(
         f"trainable={trainable_label(trainable)}: peft {type(config).__name__}(r={getattr(config, 'r', '?')}, "
-        f"lora_alpha={getattr(config, 'lora_alpha', '?')}, target_modules={sorted(targets) if targets else targets}) "
-        f"adds {adapters:,} adapter parameters, which alone train"
+        f"lora_alpha={getattr(config, 'lora_alpha', '?')}, target_modules={sorted(targets) if targets else targets}): "
+        f"{training:,} parameters train (the adapters, and any modules_to_save), the base model's are frozen"
         + ("; the values are peft's defaults for this model type" if trainable == "lora" else "")
     )
     return wrapped
