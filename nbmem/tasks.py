@@ -216,7 +216,8 @@ def task_notes(task: str, prompt_length: int | None, new_tokens: int | None) -> 
     if task == "generate":
         return [
             f"generate: greedy decoding as transformers' generate does it, a prefill of {prompt_length} tokens then "
-            f"{(new_tokens or 1) - 1} one-token steps through the model's own DynamicCache, under "
+            f"{(new_tokens or 1) - 1} one-token step{'' if new_tokens == 2 else 's'} through the model's own "
+            "DynamicCache, under "
             "torch.inference_mode(); a fixed number of steps, no stopping at an end-of-sequence token; nbmem's own "
             "prompt of random token ids, unpadded and without an attention mask (a real run with an all-ones mask "
             "builds none either)",
