@@ -176,3 +176,16 @@ def test_default_train_is_unchanged():
     result = nbmem.estimate(build, make, batch_size=64, optimizer="sgd")
     assert result.task == "train" and result.kv_cache is None
     assert result.breakdown.category("parameter") == 4198400 + 40960 + 512  # the estimate docstring's figure
+
+
+def test_bf16_weights_keep_tied_weights_tied():
+    """GPT-2's head is its token embedding: cast to bf16 it stays one tensor, as module.to() keeps it."""
+    model = gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    unique = list(model.parameters())  # parameters() yields a tied tensor once
+    expected = sum(-(-p.numel() * 2 // 512) * 512 for p in unique)  # 2 bytes each, in 512 B blocks
+    for mode in ("estimated", "tracked"):
+        result = nbmem.estimate(gpt2, batch_size=2, task="generate", prompt_length=8, new_tokens=2,
+                                precision="bf16-weights", mode=mode)
+        assert result.parameters == sum(p.numel() for p in unique)
+        assert result.breakdown.category("parameter") == expected
