@@ -189,3 +189,32 @@ def test_bf16_weights_keep_tied_weights_tied():
                                 precision="bf16-weights", mode=mode)
         assert result.parameters == sum(p.numel() for p in unique)
         assert result.breakdown.category("parameter") == expected
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert-mlm", "bert-classifier", "t5", "hf-vit", "lora-llama"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_inference_across_the_zoo_equals_a_tracked_run(name, precision):
+    from _zoo import ZOO
+    from test_zoo import need_zoo
+
+    need_zoo(vision=False)
+    build, make, _ = ZOO[name]
+    estimated = nbmem.estimate(build, make, batch_size=2, task="inference", precision=precision)
+    tracked = nbmem.estimate(build, make, batch_size=2, task="inference", precision=precision, mode="tracked")
+    assert estimated.peak == tracked.peak and estimated.breakdown.at_peak == tracked.breakdown.at_peak
+    for category in ("gradient", "optimizer state", "activation"):
+        assert estimated.breakdown.category(category) == 0  # inference_mode: no autograd state at all
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "lora-llama"])
+def test_generate_across_the_zoo_equals_a_tracked_run(name):
+    from _zoo import ZOO, SEQUENCE
+    from test_zoo import need_zoo
+
+    need_zoo(vision=False)
+    build = ZOO[name][0]
+    knobs = dict(batch_size=2, task="generate", prompt_length=SEQUENCE - 4, new_tokens=4, precision="bf16")
+    estimated = nbmem.estimate(build, **knobs)
+    tracked = nbmem.estimate(build, mode="tracked", **knobs)
+    assert estimated.peak == tracked.peak and estimated.breakdown.at_peak == tracked.breakdown.at_peak
+    assert estimated.kv_cache == tracked.kv_cache == (SEQUENCE - 1) * estimated.kv_cache_per_token
