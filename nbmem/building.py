@@ -344,14 +344,19 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
     if precision.endswith("-weights"):
         # module.to() swaps fake tensors in place, which FakeTensorMode's own weak
         # references forbid: give nbmem's copy new parameters of the new dtype.
+        # One new tensor per old one, so that tied weights (GPT-2's embedding and head) stay tied, as
+        # module.to() keeps them; a new one per reference held the tied weight twice.
         dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float16
+        converted: dict[int, torch.Tensor] = {}
         for module in model.modules():
             for name, parameter in module._parameters.items():
                 if parameter is not None and parameter.is_floating_point():
-                    module._parameters[name] = nn.Parameter(parameter.detach().to(dtype), parameter.requires_grad)
+                    if id(parameter) not in converted:
+                        converted[id(parameter)] = nn.Parameter(parameter.detach().to(dtype), parameter.requires_grad)
+                    module._parameters[name] = converted[id(parameter)]  # type: ignore[assignment]
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
-                    module._buffers[name] = buffer.to(dtype)
+                    module._buffers[name] = converted.setdefault(id(buffer), buffer.to(dtype))
     if not checkpointing:
         return "off"
     config = getattr(model, "config", None)

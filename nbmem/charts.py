@@ -24,6 +24,7 @@ COLOURS = {
     "optimizer state": "#2a9d8f",
     "gradient": "#e9c46a",
     "activation": "#e76f51",
+    "kv cache": "#457b9d",
     "other": "#adb5bd",
 }
 
@@ -92,7 +93,8 @@ def timeline_figure(timeline: Any) -> Any:
 
 
 def comparison_figure(comparison: Any, kind: str = "lines") -> Any:
-    """A sweep's chart: peak against batch size per variant, or stacked categories per configuration."""
+    """A sweep's chart: peak against the context length (when swept), else the batch size, one line per
+    variant, the capacity as a line; or stacked categories per configuration."""
     from matplotlib.figure import Figure
 
     unit, scale = comparison.unit
@@ -111,8 +113,9 @@ def comparison_figure(comparison: Any, kind: str = "lines") -> Any:
         if comparison.capacity is not None:
             axes.axhline(comparison.capacity / scale, color="#b00020", linestyle="--",
                          label=f"capacity {comparison.capacity_label or ''}".strip())
-        axes.set_xlabel({"world_size": "GPUs (world size)"}.get(row_axis or "", row_axis or "configuration"))
-        if row_axis in ("batch_size", "world_size"):
+        axes.set_xlabel({"world_size": "GPUs (world size)", "prompt_length": "context length (prompt tokens)"}.get(
+            row_axis or "", row_axis or "configuration"))
+        if row_axis in ("batch_size", "world_size", "prompt_length"):
             axes.set_xscale("log", base=2)
             axes.set_xticks(row_values, [str(value) for value in row_values])
             axes.minorticks_off()

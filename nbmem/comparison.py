@@ -15,7 +15,11 @@ from .units import format_bytes
 __all__ = ["Comparison", "SweepRow", "AXES"]
 
 #: The knobs a sweep can vary, in the order a table shows them.
-AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation", "parallel", "world_size", "trainable")
+AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation", "parallel", "world_size", "trainable",
+        "task", "prompt_length", "new_tokens")
+
+#: The axes a table's rows (and a chart's x axis) take first, when swept: the context length, then sizes.
+_ROW_AXES = ("prompt_length", "batch_size", "world_size")
 
 _UNITS = (("B", 1), ("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3), ("TiB", 1024**4))
 
@@ -87,7 +91,7 @@ class Comparison:
 
     def _grid(self) -> tuple[str | None, list[Any], list[tuple[Any, ...]], dict[tuple[Any, tuple[Any, ...]], SweepRow]]:
         """(row axis, row values, column keys, {(row value, column key): SweepRow})."""
-        row_axis: str | None = next((axis for axis in ("batch_size", "world_size") if axis in self.axes), None)
+        row_axis: str | None = next((axis for axis in _ROW_AXES if axis in self.axes), None)
         row_axis = row_axis or (self.axes[0] if self.axes else None)
         column_axes = [axis for axis in self.axes if axis != row_axis]
         row_values = list(dict.fromkeys(row.value(row_axis) for row in self.rows)) if row_axis else [None]
@@ -100,7 +104,8 @@ class Comparison:
 
     def _column_name(self, key: tuple[Any, ...]) -> str:
         column_axes = [axis for axis in self.axes if axis != self._grid()[0]]
-        return ", ".join(f"{axis}={value}" for axis, value in zip(column_axes, key)) or "peak"
+        # a knob its task does not use (inference's new_tokens) is None: left out of the name
+        return ", ".join(f"{axis}={value}" for axis, value in zip(column_axes, key) if value is not None) or "peak"
 
     def _cell(self, row: SweepRow | None) -> str:
         if row is None:
@@ -186,8 +191,8 @@ class Comparison:
         return pandas.DataFrame.from_records(self.to_records())
 
     def plot(self, kind: str = "lines") -> Any:
-        """``"lines"``: peak against batch size, one line per variant, the capacity as a line;
-        ``"breakdown"``: stacked category bars at the peak, one per configuration."""
+        """``"lines"``: peak against the context length (``prompt_length``) when swept, else the batch
+        size, one line per variant, the capacity as a line; ``"breakdown"``: stacked category bars at the peak, one per configuration."""
         from .charts import comparison_figure
 
         if kind not in ("lines", "breakdown"):

@@ -42,6 +42,7 @@ from .parallel import check_parallel, parallelize, per_device_batch, process_gro
 from .results import Breakdown
 from .scope import MemoryScope
 from .step import run_step
+from .tasks import CacheRecord, check_generator, check_task, run_generate, run_inference, sized_batch, task_lines, task_notes
 from .userstep import (
     BUILT_IN,
     AlwaysSteppingScaler,
@@ -135,6 +136,13 @@ class Estimate:
     #: With trainable=: what trained and its own bytes (nbmem.finetune.Trained); None: the model as it came.
     trained: Trained | None = None
     overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
+    #: What ran (nbmem.tasks): "train", "inference" or "generate"; the context length and tokens generated.
+    task: str = "train"
+    prompt_length: int | None = None
+    new_tokens: int | None = None
+    #: generate: the KV cache's bytes at the end, and per token of context (the whole batch's), unrounded.
+    kv_cache: int | None = None
+    kv_cache_per_token: int | None = None
 
     @property
     def peak(self) -> int:
@@ -178,7 +186,7 @@ class Estimate:
             f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
             f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
             f"  step             {self.step}",
-        ]
+        ] if self.task == "train" else task_lines(self)
         if self.reserved is not None:
             source = "measured" if self.mode == "measured" else "simulated caching allocator"
             lines.append(
@@ -213,7 +221,7 @@ class Estimate:
 
 def estimate(
     model: nn.Module | Callable[[], nn.Module],
-    batch: Callable[[int], Any],
+    batch: Callable[..., Any] | None = None,
     *,
     batch_size: int | None = None,
     loss: Callable[[Any, Any], torch.Tensor] | None = None,
@@ -232,6 +240,9 @@ def estimate(
     step: Callable[..., Any] | None = None,
     autocast_policy: str = "cuda",
     trainable: Any = None,
+    task: str = "train",
+    prompt_length: int | None = None,
+    new_tokens: int | None = None,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -287,6 +298,17 @@ def estimate(
     choose; ``autocast_policy="cpu"`` keeps CPU autocast's own lists. A
     measured run uses CUDA's autocast itself.
 
+    ``task="inference"`` runs one forward pass of ``batch(batch_size)`` in eval
+    mode under ``torch.inference_mode()``, no optimizer; ``task="generate"``
+    (a Hugging Face causal LM) runs greedy decoding with the model's own KV
+    cache: nbmem makes an unpadded prompt of ``batch_size`` x
+    ``prompt_length`` token ids (``batch`` is not needed), prefills it, then
+    generates ``new_tokens`` tokens in all, a fixed number of steps;
+    ``kv_cache`` and ``kv_cache_per_token`` say what the cache holds
+    (:mod:`nbmem.tasks`). ``prompt_length`` with ``"train"`` or
+    ``"inference"`` sets the context length: nbmem calls
+    ``batch(batch_size, prompt_length)``.
+
     >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
     >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
     >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
@@ -301,9 +323,18 @@ def estimate(
     2560
     """
     batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
+    check_task(task, prompt_length=prompt_length, new_tokens=new_tokens, checkpointing=checkpointing,
+               accumulation=accumulation, parallel=parallel, step=step)
+    if batch is None and task != "generate":
+        raise ValueError(f"task={task!r} needs batch, a function that takes a batch size and returns the model's input")
+    batch = sized_batch(batch, prompt_length)
     _check(batch_size, precision, optimizer, accumulation)
     check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
     check_trainable(trainable)
+    if task != "train" and trainable is not None:
+        raise ValueError(f"trainable= chooses what a training step updates, and task={task!r} updates nothing: leave trainable out")
+    if task != "train":
+        optimizer = None  # nothing to update: no optimizer is built
     if autocast_policy not in AUTOCAST_POLICIES:
         raise ValueError(f"unknown autocast_policy {autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)")
     autocast = precision in ("bf16", "fp16") and mode != "measured"
@@ -342,8 +373,10 @@ def estimate(
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
         with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole, contextlib.ExitStack() as target_rules:
-            network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None)
+            network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             network = apply_trainable(network, trainable, notes)
+            if task == "generate":
+                check_generator(network, prompt_length, new_tokens)  # type: ignore[arg-type]  # checked by check_task
             block = repeated_blocks(network)
             chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
             make_optimizer = _optimizer_factory(optimizer)
@@ -354,7 +387,14 @@ def estimate(
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
             )
             region = policy.region if policy is not None else torch.autocast
-            if step is None:
+            cache = CacheRecord()
+            if task == "inference":
+                one_step = functools.partial(run_inference, network, batch, batch_size, precision, run_on,
+                                             autocast_region=region)
+            elif task == "generate":
+                one_step = functools.partial(run_generate, network, batch_size, prompt_length, new_tokens,  # type: ignore[arg-type]  # checked by check_task
+                                             precision, run_on, whole.tracker.classify, cache, autocast_region=region)
+            elif step is None:
                 scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision,
                                              accumulation, run_on, autocast_region=region)
@@ -367,7 +407,7 @@ def estimate(
             for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
                 if rule is not None:
                     target_rules.enter_context(rule)
-            for _ in range(2):
+            for _ in range(2 if task == "train" else 1):  # an inference pass has no state that a second one would add
                 with scope() as one:
                     one_step()
                 result = one.result
@@ -416,12 +456,15 @@ def estimate(
         notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
     if step is not None:
         notes += user_step_notes(step, precision, run_on)
-    first, steady = peaks
+    notes += task_notes(task, prompt_length, new_tokens)
+    if task == "generate":  # no mask is passed, so the note on the mask fake tensors build does not apply
+        notes = [note for note in notes if not note.startswith("Hugging Face builds a (batch, 1")]
+    first, steady = peaks if task == "train" else (peaks[0], peaks[0])
     return Estimate(
         batch_size=batch_size,
         accumulation=accumulation,
         precision=precision,
-        optimizer=_optimizer_name(optimizer),
+        optimizer=_optimizer_name(optimizer) if task == "train" else "none",
         checkpointing=chosen,
         parameters=parameters,
         first_step=first,
@@ -439,6 +482,11 @@ def estimate(
         notes=tuple(notes),
         step=step_label(step),
         trained=trained,
+        task=task,
+        prompt_length=prompt_length,
+        new_tokens=new_tokens,
+        kv_cache=cache.bytes if task == "generate" else None,
+        kv_cache_per_token=cache.per_token if task == "generate" else None,
     )
 
 

@@ -20,8 +20,9 @@ Mode = Literal["measured", "tracked"]
 
 #: What a byte of tracked memory is for, most specific first. A storage moves
 #: only towards the front of this list: a parameter saved for backward stays a
-#: parameter, a tensor autograd saves becomes an activation.
-CATEGORIES = ("parameter", "buffer", "optimizer state", "gradient", "activation", "other")
+#: parameter, a tensor autograd saves becomes an activation. "kv cache" is what a
+#: generate run's KV cache holds (nbmem.tasks).
+CATEGORIES = ("parameter", "buffer", "optimizer state", "gradient", "activation", "kv cache", "other")
 
 @dataclass(frozen=True)
 class Breakdown:

@@ -21,7 +21,7 @@ from .launcher import RankError, launch
 from .parallel import check_parallel
 from .userstep import check_step
 
-__all__ = ["sweep", "Comparison", "SweepRow", "AXES", "real_mode", "run_configuration", "MAX_LAUNCH_RANKS"]
+__all__ = ["sweep", "Comparison", "SweepRow", "AXES", "used_knobs", "real_mode", "run_configuration", "MAX_LAUNCH_RANKS"]
 
 #: The most ranks a real data-parallel check launches on this machine (each a process).
 MAX_LAUNCH_RANKS = 8
@@ -52,6 +52,9 @@ def sweep(
     foreach: bool | None = None,
     step: Any = None,
     trainable: Any = None,
+    task: str | Iterable[str] = "train",
+    prompt_length: int | None | Iterable[int] = None,
+    new_tokens: int | None | Iterable[int] = None,
 ) -> Comparison:
     """Run every combination of the knobs and compare their peaks.
 
@@ -77,6 +80,14 @@ def sweep(
     ``trainable`` chooses what trains (:mod:`nbmem.finetune`); a list of
     choices, e.g. ``["all", "head", "lora"]``, is an axis like the others:
     full fine-tuning, a frozen backbone and LoRA side by side.
+    ``task`` (``"train"``, ``"inference"``, ``"generate"``; :mod:`nbmem.tasks`),
+    ``prompt_length`` (the context length) and ``new_tokens`` are axes too:
+    with ``prompt_length`` the batch factory is called as
+    ``batch(batch_size, prompt_length)`` for training and inference, and
+    :meth:`Comparison.plot` draws the peak against the context length. Knobs
+    a task does not use are left out of its rows (inference and generation
+    build no optimizer and don't checkpoint; only generation takes
+    ``new_tokens``), so each such configuration runs once.
 
     Every configuration is isolated: a fresh model and optimizer, all freed
     (``gc.collect()``) before the next; a measured sweep also returns the
@@ -99,6 +110,9 @@ def sweep(
         "parallel": _values("parallel", parallel),
         "world_size": _values("world_size", world_size),
         "trainable": _trainable_values(trainable),
+        "task": _values("task", task),
+        "prompt_length": _values("prompt_length", prompt_length),
+        "new_tokens": _values("new_tokens", new_tokens),
     }
     for size in grid["world_size"]:
         check_parallel("ddp", size)  # a world size that can't be fails before anything runs
@@ -118,15 +132,18 @@ def sweep(
         from .devices import parse_capacity
 
         capacity, label = parse_capacity(device)
-    rows = []
+    rows, seen = [], set()
     for combination in itertools.product(*grid.values()):
-        config = tuple(zip(grid, combination))
-        options = dict(config)
-        if options["parallel"] == "single" and options["world_size"] != 1:
-            continue  # one device has no world size to vary
+        chosen = dict(zip(grid, combination))
+        options = used_knobs(chosen)
+        config = tuple(options.items())
+        key = tuple((name, trainable_label(value) if name == "trainable" else value) for name, value in config)
+        if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen:
+            continue  # one device has no world size to vary; a task ran this configuration already
+        seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
         try:
             rows.append(SweepRow(config, run_configuration(model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
-                                                                       **_enforced(mode, capacity), **options))))
+                                                                       **_enforced(mode, capacity), **{**options, "optimizer": chosen["optimizer"]}))))
         except torch.OutOfMemoryError:
             rows.append(SweepRow(config, None, "OOM"))
         finally:
@@ -147,6 +164,21 @@ def _trainable_values(trainable: Any) -> list[Any]:
             "give each predicate a name of its own (def head_and_pooler(name): ...)"
         )
     return values
+
+
+def used_knobs(options: dict[str, Any]) -> dict[str, Any]:
+    """A configuration's knobs with those its task does not use set to what it runs with.
+
+    >>> used_knobs({"task": "inference", "optimizer": "adamw", "checkpointing": True, "accumulation": 4,
+    ...             "new_tokens": 8})
+    {'task': 'inference', 'optimizer': 'none', 'checkpointing': False, 'accumulation': 1, 'new_tokens': None}
+    """
+    task = options.get("task", "train")
+    unused: dict[str, Any] = {} if task == "train" else {"optimizer": "none", "checkpointing": False, "accumulation": 1,
+                                                      "trainable": None}
+    if task != "generate":
+        unused["new_tokens"] = None
+    return {name: unused[name] if name in unused else value for name, value in options.items()}
 
 
 def real_mode() -> str:

@@ -166,7 +166,7 @@ def test_capacity_presets_and_bad_capacities():
 
 
 def test_breakdown_categories_are_the_documented_ones():
-    assert CATEGORIES == ("parameter", "buffer", "optimizer state", "gradient", "activation", "other")
+    assert CATEGORIES == ("parameter", "buffer", "optimizer state", "gradient", "activation", "kv cache", "other")
 
 
 def test_gradients_of_a_backward_in_a_scope_of_its_own_are_gradients():

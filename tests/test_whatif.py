@@ -29,7 +29,7 @@ def test_grid_isolated_and_equal_to_single_estimates():
     records = table.to_records()
     assert [(r["batch_size"], r["optimizer"]) for r in records] == [(8, "sgd"), (8, "adamw"), (32, "sgd"), (32, "adamw")]
     assert all(r["peak"] == r["peak_parameter"] + r["peak_buffer"] + r["peak_optimizer_state"] + r["peak_gradient"]
-               + r["peak_activation"] + r["peak_other"] for r in records)
+               + r["peak_activation"] + r["peak_kv_cache"] + r["peak_other"] for r in records)
     frame = table.to_dataframe()
     assert list(frame.columns[:5]) == ["batch_size", "precision", "checkpointing", "optimizer", "accumulation"]
 
