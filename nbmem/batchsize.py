@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 
 from .estimation import Estimate, _run_device, estimate
 from .parallel import check_parallel
+from .progress import Progress, check_progress
 from .units import format_bytes
 from .userstep import BUILT_IN, check_step, step_label
 from .whatif import MAX_LAUNCH_RANKS, _isolate, real_mode, run_configuration
@@ -22,7 +24,7 @@ class BatchSizeResult:
     """The largest batch that fits a capacity: predicted from estimates, then verified for real."""
 
     batch_size: int  # the largest size a real trial ran within the capacity (0 if even 1 did not)
-    predicted: int  # what the estimates predicted before any real trial
+    predicted: int | None  # what the estimates predicted before any real trial (None: interrupted before that)
     capacity: int
     capacity_label: str
     mode: str
@@ -33,6 +35,7 @@ class BatchSizeResult:
     parallel: str = "single"  # the data-parallel strategy; sizes are per GPU
     world_size: int = 1
     step: str = BUILT_IN  # which training step ran (Estimate.step)
+    interrupted: bool = False  # Ctrl-C stopped the search: batch_size is what the real trials established so far
 
     @property
     def real_trials(self) -> int:
@@ -46,6 +49,8 @@ class BatchSizeResult:
     @property
     def answer(self) -> str:
         """The size in words: the boundary found, or the search limit it stopped at (never passed off as one)."""
+        if self.interrupted:
+            return self._established()
         if self.limit_reached:
             return (f"at least {self.batch_size} (reached the search limit {self.limit}; the true maximum may be "
                     f"larger: search again with a larger limit=)")
@@ -59,6 +64,18 @@ class BatchSizeResult:
     def global_batch(self) -> int:
         """Samples per optimizer step across all GPUs."""
         return self.effective_batch * self.world_size
+
+    def _established(self) -> str:
+        """What an interrupted search knows: the largest size that ran within the capacity, the smallest above
+        it that did not."""
+        above = min((size for size, peak in self.trials if peak is None and size > self.batch_size), default=None)
+        failed = f"; {above} did not" if above is not None else ""
+        if self.batch_size == 0:
+            known = (f"unknown: no real trial fitted before the interruption{failed}" if self.trials
+                     else "unknown: interrupted before any real trial")
+        else:
+            known = f"at least {self.batch_size} ({self.batch_size} ran within the capacity{failed})"
+        return f"{known}; interrupted (Ctrl-C) before the search ended: search again for the boundary"
 
     def __str__(self) -> str:
         tried = ", ".join(f"{size} {'OOM' if peak is None else format_bytes(peak)}" for size, peak in self.trials)
@@ -76,8 +93,9 @@ class BatchSizeResult:
         return (
             f"gpumem max_batch_size on {self.capacity_label or format_bytes(self.capacity)}: {self.answer}{per_step}"
             f"{scale}"
-            f" (predicted {self.predicted} from {self.estimates} estimates; verified with {self.real_trials} real"
-            f" {self.mode} trials: {tried})\n"
+            f" ({'no prediction yet' if self.predicted is None else f'predicted {self.predicted}'} from {self.estimates} "
+            f"estimates; verified with {self.real_trials} real"
+            f" {self.mode} trials{': ' + tried if tried else ''})\n"
             f"  step: {self.step}\n"
             "  for a larger effective batch, search again with accumulation=N: gradients stay alive across "
             "micro-batches, so the largest micro-batch is smaller than the largest single batch"
@@ -141,6 +159,7 @@ def max_batch_size(
     world_size: int = 1,
     step: Any = None,
     trainable: Any = None,
+    progress: bool = True,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
 
@@ -175,6 +194,13 @@ def max_batch_size(
     predicate over parameter names; see :func:`nbmem.estimate`) chooses what
     trains: the largest batch for that kind of fine-tuning.
 
+    ``progress`` (True or False) shows each estimate and real trial as it
+    runs and what it gave (fits or OOM, and its peak), where it can be seen
+    (see :mod:`nbmem.progress`). Ctrl-C stops the search cleanly and returns
+    what the real trials established so far, marked ``interrupted``: the
+    largest size that ran within the capacity ("at least N"), and the
+    smallest above it that did not.
+
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256))
     >>> make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))
     >>> found = max_batch_size(build, make, device="8MiB", optimizer="sgd")
@@ -184,6 +210,7 @@ def max_batch_size(
     """
     from .devices import parse_capacity
 
+    check_progress(progress)
     # a bool is an integer to Python, and limit=True would search 1..1; numpy's integers are welcome
     if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
         raise ValueError(
@@ -208,38 +235,56 @@ def max_batch_size(
     options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
                    accumulation=accumulation, parallel=parallel, world_size=world_size, step=step, trainable=trainable)
     estimates = 0
+    shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 
     def estimated(size: int) -> Estimate:
         nonlocal estimates
         estimates += 1
-        return estimate(model, batch, batch_size=size, device=capacity, **options)
-
-    # memory = fixed + per_sample * batch, from two estimates, then the
-    # boundary on estimates alone (cheap: no memory, no data)
-    at_one, at_eight = estimated(1).peak, estimated(8).peak
-    per_sample = max((at_eight - at_one) / 7, 1.0)
-    guess = max(1, min(int((capacity - at_one) // per_sample) + 1, limit))
-    # fits as Estimate.fits says: the allocated peak, and every segment the allocator must reserve
-    predicted = _boundary(lambda size: bool(estimated(size).fits), guess, limit)
+        shown.begin(f"batch_size={size}")
+        result = estimate(model, batch, batch_size=size, device=capacity, **options)
+        shown.done(f"{'fits' if result.fits else 'no fit'}, peak {format_bytes(result.peak)} allocated, estimated")
+        return result
 
     trials: list[tuple[int, int | None]] = []
 
     def fits(size: int) -> bool:
+        shown.begin(f"batch_size={size}", unit="real trial")
         try:
             result = run_configuration(model, batch, verify,
-                          dict(batch_size=size, device=capacity, enforce_capacity=True, **options))
+                          dict(batch_size=size, device=capacity, enforce_capacity=True, **options), on_rank=shown.ranks)
         except torch.OutOfMemoryError:
             trials.append((size, None))
+            shown.done(f"OOM, {verify}")
             return False
         finally:
             _isolate(verify)
         if result.fits is False:  # ran within the capacity, but a segment it needs could not be reserved
             trials.append((size, None))
+            shown.done(f"no fit: a segment it needs could not be reserved, {verify}")
             return False
         trials.append((size, result.peak))
+        shown.done(f"fits, peak {format_bytes(result.peak)} allocated, {verify}")
         return True
 
-    # verify for real around the prediction: both sides of the boundary are tried
-    found = _boundary(fits, max(predicted, 1), limit)
-    return BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
-                           parallel, world_size, step_label(step))
+    predicted: int | None = None
+    with shown:
+        try:
+            # memory = fixed + per_sample * batch, from two estimates, then the
+            # boundary on estimates alone (cheap: no memory, no data)
+            at_one, at_eight = estimated(1).peak, estimated(8).peak
+            per_sample = max((at_eight - at_one) / 7, 1.0)
+            guess = max(1, min(int((capacity - at_one) // per_sample) + 1, limit))
+            # fits as Estimate.fits says: the allocated peak, and every segment the allocator must reserve
+            predicted = _boundary(lambda size: bool(estimated(size).fits), guess, limit)
+            # verify for real around the prediction: both sides of the boundary are tried
+            found = _boundary(fits, max(predicted, 1), limit)
+        except KeyboardInterrupt:
+            # issue 15: keep what the real trials established (the running one's trackers and ranks are gone)
+            shown.interrupted = True
+            found = max((size for size, peak in trials if peak is not None), default=0)
+    result = BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
+                             parallel, world_size, step_label(step), shown.interrupted)
+    if result.interrupted:
+        print(f"nbmem.max_batch_size: interrupted (Ctrl-C); it returns what was established: {result.answer}",
+              file=sys.stderr)
+    return result

@@ -50,6 +50,9 @@ class Comparison:
     :class:`~nbmem.Estimate`, or the error such as ``"OOM"``);
     :meth:`to_records` gives one dict per configuration, :meth:`to_dataframe`
     the same as a pandas DataFrame, :meth:`plot` a matplotlib chart.
+    ``planned`` is the number of configurations the sweep set out to run;
+    ``interrupted`` is True when Ctrl-C stopped it first: the rows are then
+    the configurations that finished, and the text says so (issue 15).
 
     >>> build = lambda: torch.nn.Linear(64, 4)
     >>> make = lambda n: torch.randn(n, 64)
@@ -66,12 +69,27 @@ class Comparison:
     [7168, 11264]
     """
 
-    def __init__(self, rows: list[SweepRow], axes: tuple[str, ...], mode: str, capacity: int | None, label: str) -> None:
+    def __init__(self, rows: list[SweepRow], axes: tuple[str, ...], mode: str, capacity: int | None, label: str,
+                 *, planned: int | None = None, interrupted: bool = False) -> None:
         self.rows = rows
         self.axes = axes  # the axes that were swept (more than one value)
         self.mode = mode
         self.capacity = capacity
         self.capacity_label = label
+        self.planned = len(rows) if planned is None else planned  # configurations the sweep set out to run
+        self.interrupted = interrupted  # Ctrl-C stopped the sweep: the rows are those that finished
+
+    @property
+    def complete(self) -> bool:
+        """Every planned configuration has its row (False after Ctrl-C)."""
+        return not self.interrupted and len(self.rows) == self.planned
+
+    def _incomplete_line(self) -> str:
+        """The line an interrupted sweep's text and HTML carry; empty for a complete one."""
+        if self.complete:
+            return ""
+        return (f"interrupted after {len(self.rows)} of {self.planned} configurations (Ctrl-C): the table holds the "
+                f"{len(self.rows)} that finished; run the sweep again for the rest")
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -146,7 +164,8 @@ class Comparison:
         )
         per_gpu = " per GPU" if any(row.value("world_size") != 1 for row in self.rows) else ""
         head = f"gpumem sweep: peak allocated{per_gpu} in {unit}, {self.mode}{fits}{self._step_label()}"
-        return "\n".join([head, *text_table(header, body)])
+        incomplete = [self._incomplete_line()] if not self.complete else []
+        return "\n".join([head, *incomplete, *text_table(header, body)])
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -161,7 +180,9 @@ class Comparison:
         return (
             f"<div class='nbmem-sweep'><b>gpumem sweep</b>: peak allocated in {unit}, {html.escape(self.mode)}"
             f"{html.escape(self._step_label())}"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
+            + (f"<div class='nbmem-incomplete' style='color:#b00020'>{html.escape(self._incomplete_line())}</div>"
+               if not self.complete else "")
+            + f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>"
         )
 
     def _step_label(self) -> str:

@@ -153,10 +153,15 @@ class Explorer:
         where = "measured on CUDA" if mode == "measured" else "tracked on this CPU"
         if config["parallel"] != "single":
             where = f"{ranks} real ranks {where}, the largest shown"
-        self.check.value = f"<i>running the step for real, {where}…</i>"
+        running = f"<i>running the step for real, {where}…</i>"
+        self.check.value = running
+
+        def heard(finished: int, world_size: int) -> None:  # issue 15: the real check's progress, rank by rank
+            self.check.value = f"{running} <span style='font-size:12px'>{finished} of {world_size} ranks finished</span>"
+
         where = f"run for real, {where}"
         capacity, _ = parse_capacity(config["device"])
-        self.measured = run_configuration(self.model, self.batch, mode, config)
+        self.measured = run_configuration(self.model, self.batch, mode, config, on_rank=heard)
         estimated = self.update()
         difference = (self.measured.peak - estimated.peak) / estimated.peak if estimated.peak else 0.0
         self.check.value = (

@@ -39,6 +39,7 @@ import torch
 from .estimation import Estimate, _check, estimate, resolve_batch_size
 from .finetune import check_trainable
 from .parallel import collectives_on_copies
+from .progress import Progress, check_progress
 from .userstep import check_step
 from .units import format_bytes
 
@@ -63,14 +64,17 @@ class RankError(RuntimeError):
 
 
 def run_ranks(
-    target: Callable[[int, int], Any], world_size: int, *, backend: str = "gloo", timeout: float = 300.0
+    target: Callable[[int, int], Any], world_size: int, *, backend: str = "gloo", timeout: float = 300.0,
+    on_rank: Callable[[int, int], None] | None = None,
 ) -> list[Any]:
     """Run ``target(rank, world_size)`` in ``world_size`` forked processes, in one process group.
 
     The process group (``backend``, rendezvous through a file) exists around
     the call in each rank and is destroyed after it. Returns each rank's
     return value, in rank order. Raises :class:`RankError` for the first rank
-    that fails, TimeoutError after ``timeout`` seconds.
+    that fails, TimeoutError after ``timeout`` seconds. ``on_rank(finished,
+    world_size)`` is called (in this process) each time another rank has
+    ended well: a progress view's hook.
     """
     context = multiprocessing.get_context("fork")
     with _cleanup_before_sigterm(), tempfile.TemporaryDirectory(prefix="nbmem-launch-") as folder:
@@ -81,7 +85,7 @@ def run_ranks(
         try:
             for process in processes:
                 process.start()
-            _wait(processes, folder, timeout)
+            _wait(processes, folder, timeout, on_rank)
             return [_load(folder, rank) for rank in range(world_size)]
         finally:
             _stop(processes)
@@ -129,9 +133,14 @@ def _cleanup_before_sigterm() -> Iterator[None]:
 _SILENT_DEATH_GRACE = 3.0
 
 
-def _wait(processes: list[Any], folder: str, timeout: float) -> None:
+def _wait(processes: list[Any], folder: str, timeout: float, on_rank: Callable[[int, int], None] | None) -> None:
     deadline = time.monotonic() + timeout
+    told = 0  # ranks on_rank has heard of
     while True:
+        finished = sum(p.exitcode == 0 for p in processes)
+        if on_rank is not None and finished != told:
+            told = finished
+            on_rank(finished, len(processes))
         if any(p.exitcode not in (None, 0) for p in processes):
             rank = _first_failure(processes, folder)
             code = processes[rank].exitcode
@@ -368,6 +377,8 @@ def launch(
     global_batch_size: int | None = None,
     timeout: float = 600.0,
     mode: str = "auto",
+    progress: bool = True,
+    on_rank: Callable[[int, int], None] | None = None,
     **knobs: Any,
 ) -> Launch:
     """Run the training step for real as ``world_size`` ranks on this machine; every rank's peak.
@@ -379,6 +390,10 @@ def launch(
     :func:`nbmem.estimate`'s, ``step=`` (your own training step) included. A rank that fails stops the
     launch: the others are killed and its error is raised here; nothing is
     left running, and this process (the notebook's kernel) is not touched.
+    ``progress`` (True or False) shows how many ranks have finished, where it
+    can be seen (see :mod:`nbmem.progress`); ``on_rank(finished, world_size)``,
+    if given, is called each time another rank has ended well (a sweep's own
+    progress view passes its hook and ``progress=False``).
 
     >>> import torch
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
@@ -387,6 +402,7 @@ def launch(
     >>> len(ranks.peaks), ranks.mode, ranks.ranks[1].rank
     (2, 'tracked', 1)
     """
+    check_progress(progress)
     if mode not in ("auto", "tracked", "measured"):
         raise ValueError(f"unknown mode {mode!r} for a launch: use 'auto', 'tracked' (gloo, CPU) or 'measured' (NCCL, CUDA)")
     # bad input fails here, before any process starts
@@ -420,5 +436,15 @@ def launch(
             return estimate(model, batch, batch_size=per_rank, parallel=parallel, world_size=world,
                             mode="measured" if cuda else "tracked", **knobs)
 
-    ranks = run_ranks(rank_step, world_size, backend="nccl" if cuda else "gloo", timeout=timeout)
-    return Launch(parallel, world_size, "measured" if cuda else "tracked", tuple(ranks))
+    with Progress(f"gpumem launch: {parallel} on {world_size} real ranks", None, enabled=progress) as shown:
+        shown.begin("running the step", unit="")
+
+        def heard(finished: int, world: int) -> None:
+            shown.ranks(finished, world)
+            if on_rank is not None:
+                on_rank(finished, world)
+
+        ranks = run_ranks(rank_step, world_size, backend="nccl" if cuda else "gloo", timeout=timeout, on_rank=heard)
+        launched = Launch(parallel, world_size, "measured" if cuda else "tracked", tuple(ranks))
+        shown.done(f"peak {format_bytes(launched.peak)} allocated on the largest rank, {launched.mode}")
+    return launched

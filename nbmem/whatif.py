@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import gc
 import itertools
-from typing import Any, Iterable
+import sys
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -19,6 +20,8 @@ from .estimation import Estimate, _run_device, estimate
 from .finetune import check_trainable, trainable_label
 from .launcher import RankError, launch
 from .parallel import check_parallel
+from .progress import Progress, check_progress
+from .units import format_bytes
 from .userstep import check_step
 
 __all__ = ["sweep", "Comparison", "SweepRow", "AXES", "used_knobs", "real_mode", "run_configuration", "MAX_LAUNCH_RANKS"]
@@ -55,6 +58,7 @@ def sweep(
     task: str | Iterable[str] = "train",
     prompt_length: int | None | Iterable[int] = None,
     new_tokens: int | None | Iterable[int] = None,
+    progress: bool = True,
 ) -> Comparison:
     """Run every combination of the knobs and compare their peaks.
 
@@ -94,12 +98,21 @@ def sweep(
     cached blocks to CUDA (``torch.cuda.empty_cache()``) between
     configurations, so each one's reserved peak is its own.
 
+    ``progress`` (True or False) shows which configuration runs, how many
+    remain and what each finished one gave, where it can be seen: a widget in
+    a notebook, a status line on a terminal (see :mod:`nbmem.progress`).
+    Ctrl-C stops the sweep cleanly (the running configuration's trackers
+    removed, its ranks killed and reaped) and returns the configurations
+    that finished, marked incomplete (:attr:`Comparison.interrupted`); a
+    second Ctrl-C, while that is cleaned up, interrupts for real.
+
     >>> build = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     >>> make = lambda n: (torch.randn(n, 64), torch.randint(0, 4, (n,)))
     >>> table = sweep(build, make, batch_size=[8, 16], optimizer=["sgd", "adamw"])
     >>> [record["optimizer"] for record in table.to_records()]
     ['sgd', 'adamw', 'sgd', 'adamw']
     """
+    check_progress(progress)
     _run_device(mode)  # an unknown mode, or 'measured' without CUDA, fails before anything runs
     grid = {
         "batch_size": _values("batch_size", batch_size),
@@ -132,7 +145,9 @@ def sweep(
         from .devices import parse_capacity
 
         capacity, label = parse_capacity(device)
-    rows, seen = [], set()
+    planned: list[tuple[tuple[str, Any], ...]] = []  # each configuration's knobs, as its row shows them
+    chosen_optimizers: list[Any] = []  # and the optimizer it names, which a task that trains nothing doesn't use
+    seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
         options = used_knobs(chosen)
@@ -141,15 +156,50 @@ def sweep(
         if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen:
             continue  # one device has no world size to vary; a task ran this configuration already
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
+        planned.append(config)
+        chosen_optimizers.append(chosen["optimizer"])
+    shown_axes = [axis for axis in grid if len(grid[axis]) > 1] or ["batch_size"]
+    title = f"gpumem sweep, {mode}" + (f" on {label}" if label else "")
+    rows: list[SweepRow] = []
+    interrupted = False
+    with Progress(title, len(planned), enabled=progress) as shown:
         try:
-            rows.append(SweepRow(config, run_configuration(model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
-                                                                       **_enforced(mode, capacity), **{**options, "optimizer": chosen["optimizer"]}))))
-        except torch.OutOfMemoryError:
-            rows.append(SweepRow(config, None, "OOM"))
-        finally:
-            _isolate(mode)
+            for config, optimizer_named in zip(planned, chosen_optimizers):
+                options = dict(config)
+                shown.begin(", ".join(f"{axis}={_shown(axis, options[axis])}" for axis in shown_axes))
+                try:
+                    rows.append(SweepRow(config, run_configuration(
+                        model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
+                                                 **_enforced(mode, capacity), **{**options, "optimizer": optimizer_named}),
+                        on_rank=shown.ranks)))
+                except torch.OutOfMemoryError:
+                    rows.append(SweepRow(config, None, "OOM"))
+                finally:
+                    _isolate(mode)  # also after Ctrl-C: the interrupted configuration's leftovers go too
+                shown.done(_outcome(rows[-1], mode))
+        except KeyboardInterrupt:
+            # issue 15: keep what finished; the running configuration's own `finally`s removed its trackers
+            # and killed its ranks on the way here
+            interrupted = shown.interrupted = True
+    if interrupted:
+        print(f"nbmem.sweep: interrupted (Ctrl-C) after {len(rows)} of {len(planned)} configurations; it returns "
+              f"the {len(rows)} that finished, marked incomplete", file=sys.stderr)
     swept = tuple(axis for axis in AXES if len(grid[axis]) > 1)
-    return Comparison(rows, swept, mode, capacity, label or "")
+    return Comparison(rows, swept, mode, capacity, label or "", planned=len(planned), interrupted=interrupted)
+
+
+def _outcome(row: SweepRow, mode: str) -> str:
+    """What a finished configuration gave, for the progress view: its peak and what kind of figure it is."""
+    if row.result is None:
+        return row.error or "failed"
+    per_gpu = " per GPU (largest rank)" if row.result.world_size != 1 else ""
+    fits = ", no fit" if row.result.fits is False else ""
+    return f"peak {format_bytes(row.result.peak)} allocated{per_gpu}, {mode}{fits}"
+
+
+def _shown(axis: str, value: Any) -> Any:
+    """A knob's value as the progress view names it (a trainable choice by its label)."""
+    return trainable_label(value) if axis == "trainable" else value
 
 
 def _trainable_values(trainable: Any) -> list[Any]:
@@ -186,18 +236,23 @@ def real_mode() -> str:
     return "measured" if torch.cuda.is_available() else "tracked"
 
 
-def run_configuration(model: Any, batch: Any, mode: str, options: dict[str, Any]) -> Estimate:
+def run_configuration(model: Any, batch: Any, mode: str, options: dict[str, Any],
+                      on_rank: Callable[[int, int], None] | None = None) -> Estimate:
     """One configuration: an estimate, a real run here, or (data-parallel, real) a launch's largest rank.
 
-    A rank that ran out of memory raises ``torch.OutOfMemoryError``, as a run in this process would.
+    A rank that ran out of memory raises ``torch.OutOfMemoryError``, as a run in this process would;
+    one that Ctrl-C stopped (a terminal's SIGINT reaches every rank too) raises KeyboardInterrupt.
+    ``on_rank(finished, world_size)`` hears of every rank of a launch that ends well.
     """
     if mode == "estimated" or options["parallel"] == "single":
         return estimate(model, batch, mode=mode, **options)
     try:
-        return launch(model, batch, mode=mode, **options).worst
+        return launch(model, batch, mode=mode, progress=False, on_rank=on_rank, **options).worst
     except RankError as error:
         if "OutOfMemoryError" in error.kind:  # one rank ran out: the configuration does not fit
             raise torch.OutOfMemoryError(str(error)) from error
+        if error.kind == "KeyboardInterrupt":
+            raise KeyboardInterrupt(str(error)) from error
         raise
 
 
