@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Literal
 
-__all__ = ["frontend", "widgets_usable"]
+__all__ = ["frontend", "widgets_usable", "FrontendProbe"]
 
 
 def frontend(shell: Any = None) -> Literal["kernel", "terminal", "none"]:
@@ -42,3 +42,43 @@ def _ipywidgets_importable() -> bool:
 def widgets_usable(shell: Any = None) -> bool:
     """True where an ipywidgets view can reach a frontend (a kernel with ipywidgets)."""
     return frontend(shell) == "kernel" and _ipywidgets_importable()
+
+
+class FrontendProbe:
+    """Asks once whether a live frontend (JupyterLab, Notebook 7) is attached to this kernel.
+
+    Only a person watching needs a live gauge; nbclient (``nbmem profile``,
+    ``jupyter nbconvert --execute``) runs the same kernel with nobody
+    watching, and what it saves must not change (issue 15). The kernel can't
+    tell them apart by itself, so it opens a comm to a target no frontend
+    has: JupyterLab's kernel connection refuses a comm whose target it does
+    not know by closing it (``_handleCommOpen`` in @jupyterlab/services),
+    while nbclient only logs it. The answer arrives once the kernel is idle
+    again, so probe early: at ``%load_ext nbmem``.
+    """
+
+    TARGET = "nbmem.frontend-probe"
+
+    def __init__(self) -> None:
+        #: True once a frontend closed the probe's comm: someone is watching live.
+        self.answered = False
+        self._comm: Any = None
+        try:
+            from comm import create_comm
+
+            self._comm = create_comm(target_name=self.TARGET)
+            self._comm.on_close(self._closed)
+        except Exception:  # no comm support here: no live frontend known, never an error
+            self._comm = None
+
+    def _closed(self, message: Any) -> None:
+        self.answered = True
+
+    def close(self) -> None:
+        """Close the probe's comm (at ``%unload_ext``) if no frontend did."""
+        comm, self._comm = self._comm, None
+        if comm is not None and not self.answered:
+            try:
+                comm.close()
+            except Exception:
+                pass

@@ -145,6 +145,12 @@ class CudaCounter:
     def peak_reserved(self) -> int:
         return self._cuda.max_memory_reserved(self.index) if self._cuda.is_initialized() else 0
 
+    def running_figures(self) -> tuple[int, int]:
+        """(allocated, peak allocated) now: the allocator's counters, safe to read from any thread."""
+        if not self._cuda.is_initialized():
+            return 0, 0
+        return self._cuda.memory_allocated(self.index), self._cuda.max_memory_allocated(self.index)
+
     def reset_peak(self) -> None:
         if self._cuda.is_initialized():
             self._cuda.reset_peak_memory_stats(self.index)

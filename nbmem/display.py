@@ -8,21 +8,54 @@ Never touches ``torch.cuda``.
 from __future__ import annotations
 
 import html
-from typing import Any
+import uuid
+from typing import Any, Protocol
 
 from . import _env
 from .charts import figure_png, history_figure, timeline_figure
 from .results import History, MemoryResult, report_html, stacked_bar_html
 
-__all__ = ["show_result", "show_line", "show_history", "show_timeline", "report_widget"]
+__all__ = ["show_result", "show_line", "show_history", "show_timeline", "report_widget", "GaugeView", "clear_gauge"]
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
-def _publish(bundle: dict[str, Any]) -> None:
-    from IPython.display import display
+def _publish(bundle: dict[str, Any], display_id: str | None = None) -> None:
+    """Publish a bundle; with ``display_id``, replace what that display showed (the live gauge) instead."""
+    from IPython.display import display, update_display
 
-    display(bundle, raw=True)
+    if display_id is None:
+        display(bundle, raw=True)
+    else:
+        update_display(bundle, raw=True, display_id=display_id)
+
+
+class _Reading(Protocol):
+    def text(self) -> str: ...
+    def html(self, *, compact: bool = False) -> str: ...
+
+
+class GaugeView:
+    """Shows a live gauge's readings (nbmem.live_gauge) in one output, updated in place.
+
+    Called from the gauge's timer thread: the first reading displays an
+    output with a display id, later ones update it (IPython's
+    ``update_display``; ipykernel sends either from any thread). At the end
+    the cell's report replaces it: pass :attr:`display_id` to
+    :func:`show_result` or :func:`show_line`.
+    """
+
+    def __init__(self, *, compact: bool = False) -> None:
+        self.compact = compact
+        self.display_id = uuid.uuid4().hex
+        self._displayed = False
+
+    def __call__(self, reading: _Reading) -> None:
+        from IPython.display import display
+
+        bundle = {"text/plain": reading.text(), "text/html": reading.html(compact=self.compact)}
+        display(bundle, raw=True, display_id=self.display_id, update=self._displayed)
+        self._displayed = True
 
 
 def report_widget(result: MemoryResult, *, breakdown: bool = False) -> Any:
@@ -44,33 +77,42 @@ def report_widget(result: MemoryResult, *, breakdown: bool = False) -> Any:
     return view
 
 
-def show_result(result: MemoryResult, *, text: bool = False, breakdown: bool = False, shell: Any = None) -> None:
+def show_result(
+    result: MemoryResult, *, text: bool = False, breakdown: bool = False, shell: Any = None, display_id: str | None = None
+) -> None:
     """Display one result: a widget where one can render, else HTML and text.
 
     ``text=True`` shows only the plain-text report; ``breakdown=True`` adds
-    what the memory at the peak was for.
+    what the memory at the peak was for; ``display_id`` (a :class:`GaugeView`'s)
+    puts the report in place of the live gauge.
     """
     plain = result.text(breakdown=breakdown)
     if text:
-        _publish({"text/plain": plain})
+        _publish({"text/plain": plain}, display_id)
         return
     bundle = {"text/plain": plain, "text/html": report_html(result, breakdown=breakdown)}
     if _env.widgets_usable(shell):
         view = report_widget(result, breakdown=breakdown)
         widget_view = view._repr_mimebundle_()[WIDGET_MIME]
         bundle = {WIDGET_MIME: widget_view, **bundle}
-    _publish(bundle)
+    _publish(bundle, display_id)
 
 
-def show_line(result: MemoryResult) -> None:
-    """Display the one-line summary ``%gpumem on`` prints after each cell."""
+def clear_gauge(display_id: str) -> None:
+    """Empty a live gauge's output where no report takes its place (the result shown as ``Out``)."""
+    _publish({"text/plain": ""}, display_id)
+
+
+def show_line(result: MemoryResult, *, display_id: str | None = None) -> None:
+    """Display the one-line summary ``%gpumem on`` prints after each cell (in place of its live line, given its id)."""
     line = result.summary()
     colour = "#b00020" if result.failed else "#555"
     _publish(
         {
             "text/plain": line,
             "text/html": f"<div class='nbmem-line' style='font-size:12px;color:{colour}'>{html.escape(line)}</div>",
-        }
+        },
+        display_id,
     )
 
 

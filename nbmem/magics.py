@@ -20,10 +20,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, output_can_be_silenced
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from . import display
+from . import _env, display
 from .diagnosis import diagnose, is_out_of_memory
 from .results import History, MemoryResult, first_line
 from .scope import BACKENDS, Backend, MemoryScope, resolve_backend
+from .live_gauge import CELL_DELAY, LINE_DELAY, LiveGauge, capacity_of
 from .tracking import default_tracker
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
@@ -39,6 +40,7 @@ class _EveryCell:
     device: str | None = None
     quiet: bool = False
     capacity: str | None = None
+    live: bool = True  # the compact live line for long cells; `%gpumem on --no-live` turns it off
 
 
 @dataclass
@@ -50,6 +52,9 @@ class _Session:
     log_path: str | None = None  # `nbmem profile` appends one JSON line per measured cell
     log_options: _EveryCell = field(default_factory=lambda: _EveryCell(quiet=True))
     pending: MemoryScope | None = None
+    pending_gauge: LiveGauge | None = None
+    #: Whether a frontend is watching live (None outside a kernel, or for `nbmem profile`'s log).
+    frontend: _env.FrontendProbe | None = None
     #: The running cell's number as its In[n] shows it; IPython has already
     #: advanced shell.execution_count when the cell runs.
     cell_number: int | None = None
@@ -100,6 +105,15 @@ def _parse_options(parser: argparse.ArgumentParser, line: str) -> argparse.Names
 _NEGATIVE = re.compile(r"-\.?[0-9]")
 
 
+def _stopped(gauge: LiveGauge | None) -> str | None:
+    """Stop a cell's gauge; the display id its report goes in place of, or None (the report shows as usual)."""
+    if gauge is None:
+        return None
+    gauge.stop()
+    view = gauge.show
+    return view.display_id if gauge.usable and isinstance(view, display.GaugeView) else None
+
+
 def _is_nbmem_cell(source: str) -> bool:
     """``%%gpumem`` cells record themselves; ``%gpumem ...`` lines are nbmem's own commands."""
     return first_line(source).startswith(("%%gpumem", "%gpumem"))
@@ -125,6 +139,12 @@ class GpuMemMagics(Magics):
     @argument("-o", "--output", action="store_true", help="return the result object (it lands in Out)")
     @argument("-q", "--quiet", action="store_true", help="show nothing; the result still goes to the history")
     @argument("--text", action="store_true", help="show the report as plain text, no widget or HTML")
+    @argument(
+        "--no-live",
+        action="store_true",
+        help="no live gauge while the cell runs (with `on`: no live line for long cells); "
+        "it shows only in a frontend someone watches, such as JupyterLab",
+    )
     @argument("--timeline", action="store_true", help="also plot live memory op by op, stacked by category, the peak named")
     @argument("--free-on-oom", action="store_true", help="after an out-of-memory error, release the failed cell's frames at once (%%debug is then unavailable)")
     @argument("--breakdown", action="store_true", help="also show what the memory at the peak was for: by category and module")
@@ -147,12 +167,12 @@ class GpuMemMagics(Magics):
 
         Usage, on a cell::
 
-          %%gpumem [-o] [-q] [--text] [--breakdown] [--timeline] [--capacity SIZE_OR_PRESET]
+          %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--capacity SIZE_OR_PRESET]
                    [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}]
 
         and as a line::
 
-          %gpumem on [-q] [--capacity C] [--device D] [--backend B]   measure every following cell
+          %gpumem on [-q] [--no-live] [--capacity C] [--device D] [--backend B]   measure every following cell
           %gpumem off [-q]                                            stop measuring every cell
           %gpumem history [-o] [-q] [--text]                          table and chart of measured cells
           %gpumem reset [-q]                                          forget the history
@@ -173,6 +193,14 @@ class GpuMemMagics(Magics):
         allocator. Without one (or with ``--backend tracked``) the cell still
         runs and nbmem *tracks* every tensor it makes, reporting the bytes a
         GPU would allocate for them. Each report says which.
+
+        Live: in a frontend someone watches (JupyterLab, Notebook 7), a cell
+        that runs longer than half a second shows a gauge while it runs:
+        allocated now and the peak so far, against the device's capacity, and
+        the time, updated twice a second; the report then takes its place.
+        ``%gpumem on`` shows a compact live line for cells longer than about
+        2 s. ``--no-live`` turns either off. A terminal, ``nbmem profile`` or
+        nbclient shows nothing live.
 
         Figures: ``peak`` is the highest allocated memory while the cell ran,
         above what was allocated before it; ``retained`` is allocated after
@@ -260,21 +288,27 @@ class GpuMemMagics(Magics):
             capacity=args.capacity,
             timeline=args.timeline,
         )
+        gauge: LiveGauge | None = None
         # start and stop inside the try: Ctrl-C between scope.start() returning and the try, or on
         # the line that calls stop(), would otherwise leave the tracker installed (issue 12)
         try:
             scope.start()
+            gauge = self._live_gauge(scope, args)
             exec(body, namespace)
             value = eval(last, namespace) if last is not None else None
             result = scope.stop()
         except BaseException as error:
             if scope.running:
-                self._report(scope.stop(error), args, scope, error)
+                failed = scope.stop(error)
+                self._report(failed, args, scope, error, in_place=_stopped(gauge))
             raise
+        finally:
+            if gauge is not None:  # again after an interrupt in the lines above: stopping twice is harmless
+                gauge.stop()
         # IPython drops what the magic returns after a trailing `;` (output_can_be_silenced): with -o
         # the report is then the only sign of the result, so it shows
         silenced = DisplayHook.semicolon_at_end_of_expression(cell)
-        self._report(result, args, shown_as_out=args.output and not silenced)
+        self._report(result, args, shown_as_out=args.output and not silenced, in_place=_stopped(gauge))
         if args.output:
             # The result is the cell's Out and displays there; the cell's own
             # last value is shown above it instead.
@@ -291,10 +325,13 @@ class GpuMemMagics(Magics):
         error: BaseException | None = None,
         *,
         shown_as_out: bool = False,
+        in_place: str | None = None,
     ) -> None:
         self.session.record(result)
         if not (args.quiet or shown_as_out):
-            display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell)
+            display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell, display_id=in_place)
+        elif in_place is not None:  # the result is Out (-o): the gauge makes way for it
+            display.clear_gauge(in_place)
         if not args.quiet and result.timeline is not None:
             display.show_timeline(result.timeline)
         if scope is not None and error is not None and is_out_of_memory(error):
@@ -307,10 +344,21 @@ class GpuMemMagics(Magics):
                 if not args.quiet:
                     display.show_value(reclaimed)
 
+    def _live(self, quiet: bool, no_live: bool) -> bool:
+        """Whether a gauge may show: asked for, and someone is watching (see _env.FrontendProbe)."""
+        probe = self.session.frontend
+        return not (quiet or no_live) and probe is not None and probe.answered
+
+    def _live_gauge(self, scope: MemoryScope, args: Any) -> LiveGauge | None:
+        """A running gauge for a ``%%gpumem`` cell, or None where nothing live may show."""
+        if args.text or not self._live(args.quiet, args.no_live):
+            return None
+        return LiveGauge(scope, display.GaugeView(), capacity=capacity_of(scope), delay=CELL_DELAY).start()
+
     # -- line actions -------------------------------------------------------
 
     def _action_on(self, args: Any) -> None:
-        self.session.every_cell = _EveryCell(args.backend, args.device, args.quiet, args.capacity)
+        self.session.every_cell = _EveryCell(args.backend, args.device, args.quiet, args.capacity, live=not args.no_live)
         if not args.quiet:
             mode, device = resolve_backend(args.backend, args.device)
             print(f"gpumem: every cell from now on is {mode} on {device} (`%gpumem off` stops)")
@@ -349,6 +397,8 @@ class GpuMemMagics(Magics):
         if session.pending is not None:  # a previous post_run_cell never came
             session.pending.stop()
             session.pending = None
+        _stopped(session.pending_gauge)
+        session.pending_gauge = None
         stored = getattr(info, "store_history", True)
         session.cell_number = self.shell.execution_count - 1 if stored else None
         if session.every_cell is None and session.log_path is None:
@@ -362,22 +412,31 @@ class GpuMemMagics(Magics):
             capacity=options.capacity,
         )
         session.pending = scope.start()
+        every = session.every_cell
+        if every is not None and every.live and self._live(every.quiet, False):
+            view = display.GaugeView(compact=True)
+            session.pending_gauge = LiveGauge(scope, view, capacity=capacity_of(scope), delay=LINE_DELAY).start()
 
     def post_run_cell(self, result: Any) -> None:
         session = self.session
         scope, session.pending = session.pending, None
+        gauge, session.pending_gauge = session.pending_gauge, None
         session.cell_number = None
         if scope is None:
+            _stopped(gauge)
             return
         error = None
         if result is not None:
             error = result.error_in_exec or result.error_before_exec
         measured = scope.stop(error)
+        in_place = _stopped(gauge)  # after the scope: the join is not in the cell's time
         if session.every_cell is None and session.log_path is None:
+            if in_place is not None:
+                display.clear_gauge(in_place)
             return  # this cell ran `%gpumem off`
         session.record(measured)
         if session.every_cell is not None and not session.every_cell.quiet:
-            display.show_line(measured)
+            display.show_line(measured, display_id=in_place)
 
 
 def _registered(shell: Any) -> GpuMemMagics | None:
@@ -385,11 +444,18 @@ def _registered(shell: Any) -> GpuMemMagics | None:
     return magics if isinstance(magics, GpuMemMagics) else None
 
 
-def load(shell: Any) -> GpuMemMagics:
-    """Register the magics and the two cell events; loading twice changes nothing."""
+def load(shell: Any, *, probe: bool = True) -> GpuMemMagics:
+    """Register the magics and the two cell events; loading twice changes nothing.
+
+    In a Jupyter kernel, ``probe`` asks whether a frontend is watching, for
+    the live gauge (:class:`~nbmem._env.FrontendProbe`); ``nbmem profile``
+    loads without asking, as nobody watches it.
+    """
     magics = _registered(shell)
     if magics is None:
         magics = GpuMemMagics(shell)
+        if probe and _env.frontend(shell) == "kernel":
+            magics.session.frontend = _env.FrontendProbe()
         shell.register_magics(magics)
         shell.events.register("pre_run_cell", magics.pre_run_cell)
         shell.events.register("post_run_cell", magics.post_run_cell)
@@ -406,6 +472,10 @@ def unload(shell: Any) -> None:
             shell.events.unregister(event, callback)
         except ValueError:
             pass
+    _stopped(magics.session.pending_gauge)
+    magics.session.pending_gauge = None
+    if magics.session.frontend is not None:
+        magics.session.frontend.close()
     if magics.session.pending is not None:
         magics.session.pending.stop()
         magics.session.pending = None
@@ -486,7 +556,7 @@ def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str
         # first dispatch-mode call, see Tracker.__init__): paid here, in
         # `nbmem profile`'s setup, not in the notebook's first cell and its --timeout.
         default_tracker(resolved)
-    load(shell)
+    load(shell, probe=False)
     session = _session(shell)
     session.log_path = path
     session.log_options = _EveryCell(backend, device, quiet=True)

@@ -135,6 +135,20 @@ class MemoryScope:
     def running(self) -> bool:
         return self._scope is not None
 
+    def so_far(self) -> tuple[int, int, float] | None:
+        """(allocated now, peak so far) above the start, and seconds since it; None when not running.
+
+        Changes nothing, so the live gauge's timer thread may call it while the
+        block runs: measured mode reads the allocator's counters, tracked mode
+        the tracker's (:meth:`Tracker.running_figures`).
+        """
+        scope = self._scope
+        if scope is None:
+            return None
+        allocated, peak = self._counter.running_figures()
+        peak = max(peak, scope.peak_allocated)  # a scope opened inside this one reset the counter's peak
+        return allocated - scope.allocated_before, peak - scope.allocated_before, time.perf_counter() - self._started
+
     @property
     def tracker(self) -> Tracker | None:
         """The tracker behind this scope's breakdown (None in measured mode unless asked for)."""

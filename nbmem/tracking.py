@@ -134,6 +134,15 @@ class Tracker:
     def reserved(self) -> None:
         return None
 
+    def running_figures(self) -> tuple[int, int]:
+        """(allocated, peak) as counted so far, read from any thread: plain reads, no drain.
+
+        The live gauge (nbmem.live_gauge) reads this from its timer thread while
+        the cell's thread counts; draining there would race the cell's own
+        drain. Storages that died since the last op are still in the figures.
+        """
+        return self._allocated, self._peak
+
     def peak_allocated(self) -> int:
         self.drain()
         return self._peak

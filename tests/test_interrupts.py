@@ -347,3 +347,30 @@ def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
         _interrupt_at_line(where, run)
         assert leftovers(model) == [], f"after an interrupt at magics.{where[0]} line {where[1]}"
     assert_next_cell_exact()
+
+
+def test_an_interrupt_at_every_line_of_a_watched_cell_leaves_no_gauge_thread(shell, monkeypatch):
+    """Issue 15: with the live gauge on, Ctrl-C on any line of the cell path, of starting the gauge
+    or of stopping it leaves no nbmem thread alive (one whose stop() was skipped ends with its scope)."""
+    from nbmem import _env, live_gauge, magics as magics_module
+
+    from test_gauge import gauge_threads
+
+    probe = _env.FrontendProbe()
+    probe.answered = True  # as if JupyterLab were watching
+    magics_module._registered(shell).session.frontend = probe
+    monkeypatch.setattr(magics_module, "CELL_DELAY", 0.0)
+    monkeypatch.setattr(live_gauge, "INTERVAL", 0.005)
+    shell.user_ns.update(torch=torch, model=(model := torch.nn.Linear(8, 8)))
+    cell = "y = model(torch.ones(4, 8)).sum()\ny.backward()\nmodel.zero_grad(set_to_none=True)\ny"
+    run = lambda: shell.run_cell_magic("gpumem", "", cell)  # noqa: E731
+    run()
+    files = (os.path.join(NBMEM, "magics.py"), os.path.join(NBMEM, "live_gauge.py"))
+    wanted = {"_measure_cell", "_live_gauge", "_stopped", "start", "stop"}
+    lines = _lines_run(run, lambda code: code.co_filename in files and code.co_name in wanted)
+    assert any(name == "_stopped" for name, _ in lines) and any(name == "start" for name, _ in lines)
+    for where in lines:
+        _interrupt_at_line(where, run)
+        assert leftovers(model) == [], f"after an interrupt at {where}"
+        assert gauge_threads() == [], f"a gauge thread alive after an interrupt at {where}"
+    assert_next_cell_exact()
