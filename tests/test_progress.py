@@ -216,6 +216,25 @@ def test_an_interrupted_batch_size_search_returns_what_it_established(how: Calla
     assert_next_cell_exact()
 
 
+def test_a_second_ctrl_c_during_the_cleanup_interrupts_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbmem import whatif
+
+    model, batch, built = interrupting(16, _raise)  # the first Ctrl-C: in the second configuration
+    isolated: list[str] = []
+
+    def isolate(mode: str) -> None:
+        isolated.append(mode)
+        if len(isolated) == 2:  # the interrupted configuration's cleanup: a second Ctrl-C lands there
+            raise KeyboardInterrupt("the second Ctrl-C")
+        real_isolate(mode)
+
+    real_isolate = whatif._isolate
+    monkeypatch.setattr(whatif, "_isolate", isolate)
+    with pytest.raises(KeyboardInterrupt, match="the second Ctrl-C"):
+        nbmem.sweep(model, batch, batch_size=SIZES, mode="tracked", optimizer="sgd")
+    assert leftovers(built[-1]) == []
+
+
 def test_a_search_interrupted_while_estimating_says_nothing_is_established() -> None:
     calls = 0
 
