@@ -316,3 +316,17 @@ def test_notebook_text_outputs_are_unchanged_by_progress(tmp_path: Path) -> None
         assert len(widgets) == 1 and set(widgets[0]["data"]) == {WIDGET_MIME}
         assert len(with_progress.outputs) == len(without.outputs) + 1
         assert not any(WIDGET_MIME in output.get("data", {}) for output in without.outputs)
+
+
+@pytest.mark.slow
+def test_the_explorers_real_check_shows_its_ranks_finishing() -> None:
+    from nbmem.explorer import Explorer
+
+    panel = Explorer(build, make, batch_size=8, device="T4", optimizer="sgd", parallel="ddp", world_size=2)
+    shown: list[str] = []
+    panel.check.observe(lambda change: shown.append(change["new"]), names="value")
+    measured = panel._measure()
+    assert measured is not None and measured.world_size == 2
+    assert shown[0].startswith("<i>running the step for real, 2 real ranks tracked on this CPU")
+    assert any("of 2 ranks finished</span>" in value for value in shown[1:-1])  # while it ran
+    assert "run for real, 2 real ranks tracked on this CPU" in shown[-1]  # and then the answer
