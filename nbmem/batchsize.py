@@ -250,8 +250,9 @@ def max_batch_size(
     def fits(size: int) -> bool:
         shown.begin(f"batch_size={size}", unit="real trial")
         try:
-            result = run_configuration(model, batch, verify,
-                          dict(batch_size=size, device=capacity, enforce_capacity=True, **options), on_rank=shown.ranks)
+            with shown.attempt():
+                result = run_configuration(model, batch, verify, dict(batch_size=size, device=capacity,
+                                           enforce_capacity=True, **options), on_rank=shown.ranks)
         except torch.OutOfMemoryError:
             trials.append((size, None))
             shown.done(f"OOM, {verify}")
@@ -278,9 +279,11 @@ def max_batch_size(
             predicted = _boundary(lambda size: bool(estimated(size).fits), guess, limit)
             # verify for real around the prediction: both sides of the boundary are tried
             found = _boundary(fits, max(predicted, 1), limit)
-        except KeyboardInterrupt:
-            # issue 15: keep what the real trials established (the running one's trackers and ranks are gone)
-            shown.interrupted = True
+        except KeyboardInterrupt as error:
+            # issue 15: keep what the real trials established (the running one's trackers and ranks are gone);
+            # a second Ctrl-C during that cleanup goes through
+            if not shown.first_interrupt(error):
+                raise
             found = max((size for size, peak in trials if peak is not None), default=0)
     result = BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
                              parallel, world_size, step_label(step), shown.interrupted)

@@ -35,12 +35,13 @@ it reports on: a view that fails is turned off with one warning.
 
 from __future__ import annotations
 
+import contextlib
 import html
 import shutil
 import sys
 import time
 import warnings
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from . import _env
 
@@ -94,6 +95,7 @@ class Progress:
         self.status = ""  # how the running item is going
         self.results: list[str] = []  # "batch_size=8: peak 7 KiB allocated", one per finished item
         self.interrupted = False
+        self._cut: KeyboardInterrupt | None = None  # the Ctrl-C that stopped the work (see attempt())
         self.started = time.perf_counter()
         self._counts: dict[str, int] = {}
         self._label = ""
@@ -135,6 +137,27 @@ class Progress:
         self.running = None
         self.status = ""
         self._refresh()
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """Around one item's run: remembers the Ctrl-C that stops it, before its cleanup (``finally``) runs.
+
+        A second Ctrl-C raised during that cleanup is then told apart from the
+        first by :meth:`first_interrupt`, and goes through: it interrupts for real.
+        """
+        try:
+            yield
+        except KeyboardInterrupt as error:
+            if self._cut is None:
+                self._cut = error
+            raise
+
+    def first_interrupt(self, error: KeyboardInterrupt) -> bool:
+        """True (and marked interrupted) for the Ctrl-C that stopped the work, False for a second one."""
+        if self._cut is not None and error is not self._cut:
+            return False
+        self.interrupted = True
+        return True
 
     @property
     def remaining(self) -> int | None:
@@ -227,7 +250,7 @@ class _WidgetView:
         from IPython.display import display
 
         self.bar = widgets.IntProgress(value=0, min=0, max=1, bar_style="info",
-                                       layout=widgets.Layout(width="24em"))
+                                       layout=widgets.Layout(width="16em", min_width="16em"))
         self.line = widgets.HTML()
         self.line.add_class("nbmem-progress-line")
         self.log = widgets.HTML()
@@ -244,16 +267,16 @@ class _WidgetView:
             self.bar.value = progress.finished
         else:
             self.bar.layout.display = "none"  # a search: no count to fill
-        self.line.value = f"<span style='font-size:12px'>{html.escape(progress.headline())}</span>"
+        self.line.value = f"<div style='font-size:12px;line-height:1.4'>{html.escape(progress.headline())}</div>"
         if len(progress.results) != self.shown:
             self.shown = len(progress.results)
             items = "".join(f"<div>{html.escape(result)}</div>" for result in progress.results)
-            self.log.value = (f"<div style='font-size:12px;color:#555;max-height:10em;overflow-y:auto'>"
+            self.log.value = (f"<div style='font-size:12px;line-height:1.4;color:#555;max-height:10em;overflow-y:auto'>"
                               f"{items}</div>")
 
     def close(self, progress: Progress) -> None:
         self.bar.bar_style = "warning" if progress.interrupted else "success"
         self.show(progress)
         seconds = time.perf_counter() - progress.started
-        self.line.value = (f"<span style='font-size:12px'>{html.escape(progress.summary())} "
-                           f"in {seconds:.1f} s</span>")
+        self.line.value = (f"<div style='font-size:12px;line-height:1.4'>{html.escape(progress.summary())} "
+                           f"in {seconds:.1f} s</div>")

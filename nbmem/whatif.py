@@ -168,19 +168,22 @@ def sweep(
                 options = dict(config)
                 shown.begin(", ".join(f"{axis}={_shown(axis, options[axis])}" for axis in shown_axes))
                 try:
-                    rows.append(SweepRow(config, run_configuration(
-                        model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
-                                                 **_enforced(mode, capacity), **{**options, "optimizer": optimizer_named}),
-                        on_rank=shown.ranks)))
+                    with shown.attempt():
+                        rows.append(SweepRow(config, run_configuration(
+                            model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
+                                                     **_enforced(mode, capacity), **{**options, "optimizer": optimizer_named}),
+                            on_rank=shown.ranks)))
                 except torch.OutOfMemoryError:
                     rows.append(SweepRow(config, None, "OOM"))
                 finally:
                     _isolate(mode)  # also after Ctrl-C: the interrupted configuration's leftovers go too
                 shown.done(_outcome(rows[-1], mode))
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as error:
             # issue 15: keep what finished; the running configuration's own `finally`s removed its trackers
-            # and killed its ranks on the way here
-            interrupted = shown.interrupted = True
+            # and killed its ranks on the way here. A second Ctrl-C during that cleanup goes through.
+            if not shown.first_interrupt(error):
+                raise
+            interrupted = True
     if interrupted:
         print(f"nbmem.sweep: interrupted (Ctrl-C) after {len(rows)} of {len(planned)} configurations; it returns "
               f"the {len(rows)} that finished, marked incomplete", file=sys.stderr)

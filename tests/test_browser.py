@@ -214,3 +214,47 @@ def test_the_explorer_panel_answers_its_slider(browser: Any, lab: dict[str, Any]
         assert "estimated peak on" in chart.inner_text()
     finally:
         page.close()
+
+
+def test_a_long_sweep_shows_its_progress(browser: Any, lab: dict[str, Any]) -> None:
+    """Issue 15: a sweep's progress widget, seen while it runs and when it is done."""
+    import nbformat
+
+    setup = ("import time, torch, nbmem\n"
+             "build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))\n"
+             "def make_batch(n):\n"
+             "    time.sleep(1)  # a slow data pipeline: each configuration takes a moment, so the running line is seen\n"
+             "    return torch.randn(n, 256), torch.randint(0, 10, (n,))")
+    sweep = ("table = nbmem.sweep(build, make_batch, batch_size=[256, 1024, 4096], precision=['fp32', 'bf16'], "
+             "mode='tracked', device='T4')\ntable")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(setup)])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, lab["root"] / "notebooks" / "progress.ipynb")
+    page = _open_and_run(browser, lab, "progress.ipynb")
+    try:
+        # the sweep in a cell of its own, not awaited: _open_and_run returns when its cells have run, and the
+        # progress is to be seen while the sweep runs
+        _wait_idle(page)
+        page.evaluate("(source) => { const app = window.jupyterapp;"
+                      " return app.commands.execute('notebook:insert-cell-below').then(() => {"
+                      " app.shell.currentWidget.content.activeCell.model.sharedModel.setSource(source);"
+                      " app.commands.execute('notebook:run-cell'); }); }", sweep)
+        progress = page.locator(".jp-OutputArea-output .nbmem-progress").first
+        progress.wait_for(state="attached")
+        # while it runs: which configuration, how many remain, what the finished ones gave
+        seen = page.wait_for_function("() => { const view = document.querySelector('.nbmem-progress');"
+                                      " return view && view.innerText.includes('configuration 4 of 6')"
+                                      " && view.innerText.includes('remaining') && view.innerText; }", polling=100)
+        running = seen.json_value()
+        assert "gpumem sweep, tracked on T4" in running and "3 done, 3 remaining" in running
+        assert "batch_size=256, precision=fp32: peak 6.43 MiB allocated, tracked" in running  # as the table says
+        progress.scroll_into_view_if_needed()
+        screenshot = _shoot(progress, "browser-progress.png", lab)
+        assert screenshot.stat().st_size > 2000
+        _wait_idle(page)
+        assert _errors(page) == []
+        done = progress.inner_text()
+        assert "done: 6 of 6 configurations in" in done and "jupyter-widgets" in (progress.get_attribute("class") or "")
+        assert page.locator(".jp-OutputArea-output .nbmem-sweep").count() == 1  # and then the table
+    finally:
+        page.close()

@@ -216,6 +216,25 @@ def test_an_interrupted_batch_size_search_returns_what_it_established(how: Calla
     assert_next_cell_exact()
 
 
+def test_a_second_ctrl_c_during_the_cleanup_interrupts_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbmem import whatif
+
+    model, batch, built = interrupting(16, _raise)  # the first Ctrl-C: in the second configuration
+    isolated: list[str] = []
+
+    def isolate(mode: str) -> None:
+        isolated.append(mode)
+        if len(isolated) == 2:  # the interrupted configuration's cleanup: a second Ctrl-C lands there
+            raise KeyboardInterrupt("the second Ctrl-C")
+        real_isolate(mode)
+
+    real_isolate = whatif._isolate
+    monkeypatch.setattr(whatif, "_isolate", isolate)
+    with pytest.raises(KeyboardInterrupt, match="the second Ctrl-C"):
+        nbmem.sweep(model, batch, batch_size=SIZES, mode="tracked", optimizer="sgd")
+    assert leftovers(built[-1]) == []
+
+
 def test_a_search_interrupted_while_estimating_says_nothing_is_established() -> None:
     calls = 0
 
@@ -297,3 +316,17 @@ def test_notebook_text_outputs_are_unchanged_by_progress(tmp_path: Path) -> None
         assert len(widgets) == 1 and set(widgets[0]["data"]) == {WIDGET_MIME}
         assert len(with_progress.outputs) == len(without.outputs) + 1
         assert not any(WIDGET_MIME in output.get("data", {}) for output in without.outputs)
+
+
+@pytest.mark.slow
+def test_the_explorers_real_check_shows_its_ranks_finishing() -> None:
+    from nbmem.explorer import Explorer
+
+    panel = Explorer(build, make, batch_size=8, device="T4", optimizer="sgd", parallel="ddp", world_size=2)
+    shown: list[str] = []
+    panel.check.observe(lambda change: shown.append(change["new"]), names="value")
+    measured = panel._measure()
+    assert measured is not None and measured.world_size == 2
+    assert shown[0].startswith("<i>running the step for real, 2 real ranks tracked on this CPU")
+    assert any("of 2 ranks finished</span>" in value for value in shown[1:-1])  # while it ran
+    assert "run for real, 2 real ranks tracked on this CPU" in shown[-1]  # and then the answer
