@@ -33,8 +33,9 @@ _FRESH = {torch.ops.aten.lift_fresh.default}
 
 try:
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    _SKIPS_BY_CODE = True
 except ImportError:  # pragma: no cover - such a torch keeps its own (slower) wrapper
-    set_code_exec_strategy = None
+    _SKIPS_BY_CODE = False
 
 
 class TrackingMode(TorchDispatchMode):
@@ -47,7 +48,7 @@ class TrackingMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # False: PyTorch leaves __torch_dispatch__ unwrapped; Dynamo skips it by its code (module docstring)
-        return set_code_exec_strategy is None
+        return not _SKIPS_BY_CODE
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -77,6 +78,6 @@ class TrackingMode(TorchDispatchMode):
         return out
 
 
-if set_code_exec_strategy is not None:
+if _SKIPS_BY_CODE:
     # SKIP, SKIP: this frame and, recursively, every frame it calls (the tracker's accounting, the hooks it runs)
     set_code_exec_strategy(TrackingMode.__torch_dispatch__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
