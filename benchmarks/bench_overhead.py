@@ -20,6 +20,18 @@ Run: python benchmarks/bench_overhead.py [--json results.json]
    A deliberately tiny MLP shows the worst case, where the fixed
    per-operation cost dominates.
 
+   Two more columns show the floors of the two designs considered: an empty
+   dispatch mode as nbmem's runs (unwrapped, its code marked for Dynamo to
+   skip, see nbmem.dispatch), and the profiler recording allocator events
+   only (no ops: a non-CPU activity on this CPU-only torch), the cheapest way
+   to see every CPU allocation without Python per op.
+3. Whether those allocator events could replace the dispatch mode: one step
+   recorded both ways, the allocator's peak (each allocation rounded to 512 B
+   as nbmem rounds a storage) against nbmem's tracked peak above what it
+   adopted, and how many allocations no op returned (a kernel's own scratch,
+   wrapped scalars), which the dispatch mode never sees. They are the reason
+   the allocator-event design would not give the same bytes.
+
 Timings are medians of repeated runs; the machine, versions, date and load
 average (os.getloadavg, the machine is shared) are printed with them; a
 summary table ends the output. Run it with --skip-magic to time only the
@@ -168,10 +180,112 @@ def workloads() -> dict[str, tuple[nn.Module, torch.Tensor, torch.Tensor]]:
 
 
 class EmptyMode(TorchDispatchMode):
-    """A dispatch mode that does nothing: PyTorch's own cost of any Python mode."""
+    """A dispatch mode that does nothing: PyTorch's own cost of any Python mode (its Dynamo wrapper included)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
+
+
+class EmptySkippedMode(TorchDispatchMode):
+    """An empty mode run as nbmem runs its own: unwrapped, its code marked for Dynamo to skip."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+_FrameExecStrategy = getattr(torch._C._dynamo.eval_frame, "_FrameExecStrategy")
+_FrameAction = getattr(torch._C._dynamo.eval_frame, "_FrameAction")
+torch._C._dynamo.eval_frame.set_code_exec_strategy(
+    EmptySkippedMode.__torch_dispatch__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
+)
+
+
+class AllocatorEvents:
+    """The profiler recording CPU allocator events only: profile_memory, and no op recorded.
+
+    torch.profiler always records ops for ProfilerActivity.CPU; asking for a
+    device activity alone on this CPU-only torch records allocations and
+    nothing else (checked: the event tree holds only allocation events). On a
+    CUDA build the same call would also trace the GPU: the column is for CPU-only torch.
+    """
+
+    def __init__(self) -> None:
+        from torch._C._profiler import ProfilerActivity, ProfilerConfig, ProfilerState, _ExperimentalConfig
+
+        self.config = ProfilerConfig(ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        self.activities = {ProfilerActivity.CUDA}
+        self.events: list[tuple[int, int, int]] = []
+
+    def __enter__(self) -> "AllocatorEvents":
+        torch._C._autograd._prepare_profiler(self.config, self.activities)
+        torch._C._autograd._enable_profiler(self.config, self.activities)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        from torch._C._profiler import _EventType
+
+        result = torch._C._autograd._disable_profiler()
+        pending = list(result.experimental_event_tree())
+        while pending:
+            event = pending.pop()
+            if event.tag == _EventType.Allocation:
+                fields = event.extra_fields
+                self.events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+            pending.extend(event.children)
+        self.events.sort()
+
+    def peak(self, block: int = 512) -> int:
+        """The running maximum of live bytes, each allocation rounded up to ``block`` (as nbmem rounds a storage)."""
+        live: dict[int, int] = {}
+        current = peak = 0
+        for _, pointer, nbytes in self.events:
+            if nbytes > 0:
+                live[pointer] = -(-nbytes // block) * block
+                current += live[pointer]
+                peak = max(peak, current)
+            else:
+                current -= live.pop(pointer, 0)
+        return peak
+
+
+class OutputStorages(TorchDispatchMode):
+    """The data pointers of every storage an op returns: what a dispatch-mode tracker can see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pointers: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for value in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                self.pointers.add(value.untyped_storage().data_ptr())
+        return out
+
+
+def allocator_events_against_tracking(step: Callable[[], None]) -> dict[str, int]:
+    """One step seen by nbmem's tracker and one by the allocator's events: the peaks, and what only the allocator saw."""
+    tracker = nbmem.Tracker("cpu")
+    with tracker:
+        step()
+    with AllocatorEvents() as allocations:
+        step()
+    outputs = OutputStorages()
+    with AllocatorEvents() as seen_together, outputs:
+        step()
+    unseen = [nbytes for _, pointer, nbytes in seen_together.events if nbytes > 0 and pointer not in outputs.pointers]
+    return {
+        "tracked_peak_above_adopted": tracker.peak_allocated() - tracker.adopted,
+        "allocator_events_peak_rounded": allocations.peak(),
+        "allocations": sum(1 for event in seen_together.events if event[2] > 0),
+        "allocations_no_op_returned": len(unseen),
+        "allocations_no_op_returned_bytes": sum(unseen),
+        "largest_allocation_no_op_returned": max(unseen, default=0),
+    }
 
 
 def memtracker(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[], object]:
@@ -207,9 +321,11 @@ def training_step_slowdown(repeats: int) -> dict[str, dict[str, float]]:
         contexts: dict[str, Callable[[], object]] = {
             "bare": contextlib.nullcontext,
             "empty_mode": EmptyMode,
+            "empty_mode_skipped": EmptySkippedMode,
             "nbmem": lambda: nbmem.Tracker("cpu"),
             "memtracker": memtracker(model, optimizer),
             "profiler": profiler,
+            "allocator_events": AllocatorEvents,
         }
         samples: dict[str, list[float]] = {key: [] for key in contexts}
         cpu: dict[str, list[float]] = {key: [] for key in contexts}  # process CPU time: steadier on a loaded machine
@@ -236,28 +352,46 @@ def training_step_slowdown(repeats: int) -> dict[str, dict[str, float]]:
             **{f"{key}_cpu_ms": value * 1e3 for key, value in cpu_medians.items()},
             **{f"{key}_cpu_slowdown": value / cpu_medians["bare"] for key, value in cpu_medians.items() if key != "bare"},
             "nbmem_us_per_op_beyond_empty_mode": (medians["nbmem"] - medians["empty_mode"]) / counter.ops * 1e6,
+            "nbmem_us_per_op_beyond_empty_mode_skipped": (medians["nbmem"] - medians["empty_mode_skipped"]) / counter.ops * 1e6,
+            "allocator_events_against_tracking": allocator_events_against_tracking(step),
             "load_average_1min": os.getloadavg()[0],
         }
     return results
 
 
-def summary(steps: dict[str, dict[str, float]]) -> str:
-    lines = [f"{'workload':<48}{'ops':>5}{'clock':>6}{'bare ms':>9}{'empty':>8}{'nbmem':>8}{'MemTracker':>12}"
-             f"{'profiler':>10}"]
+COLUMNS = {  # key: heading
+    "empty_mode": "empty",
+    "empty_mode_skipped": "empty*",
+    "nbmem": "nbmem",
+    "memtracker": "MemTracker",
+    "profiler": "profiler",
+    "allocator_events": "alloc-ev",
+}
+
+
+def summary(steps: dict[str, dict]) -> str:
+    lines = [f"{'workload':<48}{'ops':>5}{'clock':>6}{'bare ms':>9}" + "".join(f"{head:>11}" for head in COLUMNS.values())]
     for name, row in steps.items():
         for clock, suffix in (("wall", ""), ("cpu", "_cpu")):
             lines.append(
                 f"{name if clock == 'wall' else '':<48}{row['ops_per_step'] if clock == 'wall' else '':>5}{clock:>6}"
-                f"{row[f'bare{suffix}_ms']:>9.2f}{row[f'empty_mode{suffix}_slowdown']:>7.2f}x"
-                f"{row[f'nbmem{suffix}_slowdown']:>7.2f}x{row[f'memtracker{suffix}_slowdown']:>11.2f}x"
-                f"{row[f'profiler{suffix}_slowdown']:>9.2f}x"
+                f"{row[f'bare{suffix}_ms']:>9.2f}" + "".join(f"{row[f'{key}{suffix}_slowdown']:>10.2f}x" for key in COLUMNS)
             )
+    lines.append("empty: an empty dispatch mode as PyTorch wraps it; empty*: as nbmem runs its own (nbmem.dispatch);")
+    lines.append("alloc-ev: the profiler recording allocator events only. Allocator events against nbmem's tracking, one step:")
+    for name, row in steps.items():
+        events = row["allocator_events_against_tracking"]
+        lines.append(
+            f"  {name:<48} tracked peak {events['tracked_peak_above_adopted']:>11,} B, allocator events' "
+            f"{events['allocator_events_peak_rounded']:>11,} B; {events['allocations_no_op_returned']} of "
+            f"{events['allocations']} allocations no op returned (largest {events['largest_allocation_no_op_returned']:,} B)"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=60, help="timed steps per tool and workload, in rounds of 5 (default 60)")
     parser.add_argument("--skip-magic", action="store_true", help="time the training steps only")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's); 1 is steadier on a loaded machine")
     parser.add_argument("--json", help="also write the figures to this file")

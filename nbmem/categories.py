@@ -46,6 +46,10 @@ __all__ = ["Attribution", "top_level", "BACKWARD", "global_hooks", "remove_globa
 
 BACKWARD = "(backward)"
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# torch.utils._mode_utils.no_dispatch: no Python dispatch mode or subclass sees the ops inside
+_NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
+
 
 def top_level(name: str | None) -> str | None:
     """The top-level part of a module path: ``"Sequential.0.fc"`` -> ``"Sequential.0"``.
@@ -262,6 +266,13 @@ class Attribution:
         # reference cycle through C++ for an op that saves its own output, and a
         # graph never run backward would never be freed (autograd re-attaches
         # the grad_fn when it unpacks; PyTorch's own docs detach here)
+        if type(tensor) in _PLAIN:
+            # A view of a known storage, nothing to count: past the tracker's
+            # dispatch mode, which would cost a whole op's 10-20 us for every
+            # saved tensor. A subclass (a FakeTensor of an estimate, a DTensor)
+            # must reach its own __torch_dispatch__ to stay what it is.
+            with _NO_PYTHON_DISPATCH():
+                return tensor.detach()
         return tensor.detach()
 
 

@@ -4,6 +4,17 @@ The per-op hot path of :class:`nbmem.tracking.Tracker`, kept on its own: it
 changes nothing about the op, and costs as little as Python allows (a plain
 tensor output skips the walk through ``Tracker._note``). It knows the tracker
 only by the attributes it calls, so it sits below nbmem.tracking.
+
+PyTorch wraps every dispatch mode's ``__torch_dispatch__`` in
+``torch._dynamo.disable`` (``TorchDispatchMode.__init_subclass__``, torch
+2.13), so that a ``torch.compile``'d function run under the mode never has
+Dynamo trace the mode's own frames. That wrapper is Python, run for every op:
+about 5 us of the 12 us any mode costs (measured here: an empty mode 14.5 us
+per ``torch.add``, 9.7 us unwrapped, the bare op 2.8 us). nbmem gets the same
+effect for free: it marks the code of its ``__torch_dispatch__`` for Dynamo to
+skip, it and every frame it calls (``torch._dynamo.eval_frame.skip_code``'s
+mechanism, recursive), which the interpreter checks only while Dynamo's frame
+callback is set. A torch without that function keeps PyTorch's wrapper.
 """
 
 from __future__ import annotations
@@ -20,6 +31,12 @@ _Tensor = torch.Tensor
 # to lift_fresh: the storage is new although it is also the op's input.
 _FRESH = {torch.ops.aten.lift_fresh.default}
 
+try:
+    from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    _SKIPS_BY_CODE = True
+except ImportError:  # pragma: no cover - such a torch keeps its own (slower) wrapper
+    _SKIPS_BY_CODE = False
+
 
 class TrackingMode(TorchDispatchMode):
     """Reports every op's inputs and outputs to its tracker; changes nothing."""
@@ -27,6 +44,11 @@ class TrackingMode(TorchDispatchMode):
     def __init__(self, tracker: Any) -> None:
         super().__init__()
         self.tracker = tracker
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # False: PyTorch leaves __torch_dispatch__ unwrapped; Dynamo skips it by its code (module docstring)
+        return not _SKIPS_BY_CODE
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -54,3 +76,8 @@ class TrackingMode(TorchDispatchMode):
         elif isinstance(out, (tuple, list)):
             tracker._note(out)
         return out
+
+
+if _SKIPS_BY_CODE:
+    # SKIP, SKIP: this frame and, recursively, every frame it calls (the tracker's accounting, the hooks it runs)
+    set_code_exec_strategy(TrackingMode.__torch_dispatch__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))

@@ -120,8 +120,8 @@ class Tracker:
         # who activated the tracker (a MemoryScope, None for a bare activate()): installed while any
         self._holders: list[object] = []
         self.scopes = PeakScopes(self)
-        # PyTorch wraps __torch_dispatch__ so that its first call imports
-        # torch._dynamo (about a second): pay that here, not in a timed cell.
+        # A torch on which PyTorch still wraps __torch_dispatch__ (see nbmem.dispatch)
+        # imports torch._dynamo at its first call (8 s loaded): pay that here, not in a timed cell.
         with TrackingMode(self):
             torch.empty(0)
 
