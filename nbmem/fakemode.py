@@ -20,11 +20,14 @@ Where PyTorch's metadata fields are not the ones this was written against
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, TensorMetadata
+from torch.utils._mode_utils import no_dispatch
 
 __all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
 
@@ -43,8 +46,19 @@ _PLAIN_VALUES = frozenset(
 )
 
 
+#: The internals the cache-hit path below reads (torch 2.13's fake_tensor.py); absent: PyTorch's own path.
+_HIT_PATH = all(
+    hasattr(fake_tensor, name)
+    for name in ("_CacheKeyState", "_BypassDispatchCache", "_DispatchCacheValidEntry", "_DISPATCH_META_HANDLERS",
+                 "_DISPATCH_HANDLE_DIRECTLY", "log")
+)
+_DEVICE = torch.ops.prim.device.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
 class FastKeyFakeTensorMode(FakeTensorMode):
-    """``FakeTensorMode`` whose dispatch-cache key for dense fake tensors takes fewer steps (same key).
+    """``FakeTensorMode`` whose dispatch-cache key for dense fake tensors takes fewer steps (same key),
+    and whose cache hits and device queries take fewer steps (same outputs).
 
     >>> mode = FastKeyFakeTensorMode()
     >>> with mode:
@@ -53,6 +67,114 @@ class FastKeyFakeTensorMode(FakeTensorMode):
     >>> hidden.shape, type(hidden).__name__
     (torch.Size([8, 64]), 'FakeTensor')
     """
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """PyTorch's ``FakeTensorMode.dispatch``, with a shorter path for the two commonest cases of an estimate.
+
+        ``prim.device``: the autograd engine and the foreach optimizers ask
+        each fake tensor for its device (60 % of the ops of a Llama step):
+        answered as PyTorch's ``_device_handler`` answers, without the
+        ``no_dispatch()`` context PyTorch enters around a debug log line
+        first. ``.item()`` of a constant (a tensor made by ``torch.tensor(number)``): the
+        constant's value, as PyTorch's constant propagation gives it. A cache hit without a ShapeEnv (an estimate has none): the
+        same key and the same cached entry as ``_cached_dispatch_impl``, the
+        output made as ``_output_from_cache_entry`` makes it, without its
+        per-value checks for symbolic sizes, which only a ShapeEnv creates.
+        Everything else (misses, bypasses, symbolic shapes, debug logging,
+        cross-checking) goes to PyTorch's own method.
+        """
+        if func is _DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if (
+            func is _SCALAR and len(args) == 1 and not kwargs and type(args[0]) is FakeTensor
+            and args[0].fake_mode is self and args[0].constant is not None
+            and not args[0]._has_symbolic_sizes_strides
+        ):
+            # .item() of a tensor made by torch.tensor(number) (Adam's step count, read once per parameter
+            # per step): _dispatch_impl's constant propagation, which runs the op on the real constant
+            with no_dispatch():
+                return func(args[0].constant)
+        if (
+            _HIT_PATH
+            and self.shape_env is None
+            and self.cache_enabled
+            and not self.cache_crosscheck_enabled
+            and func not in fake_tensor._DISPATCH_META_HANDLERS
+            and func not in fake_tensor._DISPATCH_HANDLE_DIRECTLY
+            and not fake_tensor.log.isEnabledFor(logging.DEBUG)
+        ):
+            state = fake_tensor._CacheKeyState(None)
+            try:
+                key = self._cache_key(state, func, args, kwargs or {})
+            except fake_tensor._BypassDispatchCache:
+                key = None  # PyTorch's path counts the bypass
+            if key is not None and not state.cache_on_shape_env():
+                entry = FakeTensorMode.cache.get(key)
+                if type(entry) is fake_tensor._DispatchCacheValidEntry:
+                    infos = entry.output_infos
+                    output = (
+                        tuple(self._from_cache(info, func, args) for info in infos)
+                        if entry.is_output_tuple
+                        else self._from_cache(infos[0], func, args)
+                    )
+                    FakeTensorMode.cache_hits += 1
+                    return output
+        return super().dispatch(func, types, args, kwargs if kwargs is not None else {})
+
+    def _from_cache(self, info: Any, func: Any, args: Any) -> Any:
+        """``_get_output_tensor_from_cache_entry`` without a ShapeEnv: every cached size is a plain int."""
+        if info.inplace_idx is not None:
+            return args[info.inplace_idx]  # an in-place op: the argument itself
+        metadata = info.metadata
+        if metadata is None:
+            return info.constant_value if info.view_idx is None else None
+        if metadata.layout is not torch.strided:
+            return self._get_output_tensor_from_cache_entry(fake_tensor._CacheKeyState(None), info, None, func, args)
+        previous = self.in_kernel_invocation
+        # what in_kernel_invocation_manager does, inline (a generator context costs more than the op)
+        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+            self.in_kernel_invocation = True
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                empty = torch.empty_strided(
+                    metadata.shape, metadata.stride, dtype=metadata.dtype, layout=metadata.layout, device="meta",
+                    requires_grad=metadata.requires_grad,
+                )
+                if metadata.is_conj:
+                    torch._C._set_conj(empty, True)
+                if metadata.is_neg:
+                    torch._C._set_neg(empty, True)
+                if func.is_view:  # a view shares its input's storage
+                    view_arg = args[info.view_idx]
+                    empty.set_(view_arg.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
+            finally:
+                self.in_kernel_invocation = previous
+        return self._fake_tensor(empty, metadata.device)
+
+    def _fake_tensor(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """``FakeTensor(self, elem, device)`` for a cpu fake tensor, its attributes copied from one made so.
+
+        ``FakeTensor.__new__`` checks its arguments and sets a dozen attributes
+        one by one, five of them through descriptors (the memos of ``.item()``,
+        ``nonzero()``...): the first fake tensor this mode makes that way gives
+        the attributes, all the same for every new cpu tensor of the mode
+        (tests/test_fakemode.py compares them), and later ones copy them.
+        """
+        template = self.__dict__.get("_nbmem_new_fake")
+        if template is None or device.type != "cpu" or FakeTensorConfig.debug or torch.compiler.is_exporting():
+            made = FakeTensor(self, elem, device)
+            if template is None and device.type == "cpu" and not FakeTensorConfig.debug:
+                self.__dict__["_nbmem_new_fake"] = dict(made.__dict__)
+            return made
+        made = torch.Tensor._make_subclass(  # type: ignore[assignment]
+            FakeTensor, elem, elem.requires_grad, dispatch_device=True, device_for_backend_keys=device
+        )
+        if not self._allow_unsafe_data_ptr_access:
+            torch._C._set_throw_on_mutable_data_ptr(made)
+        else:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+        made.__dict__.update(template)
+        return made
 
     def _prep_args_for_hash(
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]
