@@ -170,3 +170,33 @@ def test_device_and_item_of_a_constant_answer_as_pytorchs_own():
             assert torch.ops.prim.device.default(step) == torch.device("cpu")
             with pytest.raises(Exception, match="DataDependent|data-dependent|_local_scalar_dense"):
                 torch.empty(2).sum().item()  # no constant: fake tensors have no value
+
+
+def test_a_foreach_op_answers_as_pytorchs_own_from_nbmems_cache(monkeypatch):
+    """Adam's _foreach_sqrt returns a list, which PyTorch doesn't cache: nbmem does, with the same outputs."""
+    from nbmem import fakemode
+
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        tensors = [torch.empty(3, 4), torch.empty(5).t(), torch.empty(2, 3, dtype=torch.bfloat16)]
+    func = torch.ops.aten._foreach_sqrt.default
+    with mode:
+        first = func(tensors)
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda *args: pytest.fail("took PyTorch's path"))
+    with mode:
+        again = mode.dispatch(func, (), (tensors,), {})
+    monkeypatch.undo()
+    with mode:
+        theirs = FakeTensorMode.dispatch(mode, func, (), (tensors,), {})
+    assert metadata(again) == metadata(theirs) == metadata(first)
+    assert len({tensor.untyped_storage()._cdata for tensor in again + tensors}) == 6  # each output new
+    assert len(fakemode._FOREACH_OUTPUTS) >= 1
+
+
+def test_a_foreach_op_in_place_or_on_constants_is_left_to_pytorch():
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        steps = [torch.tensor(1.0), torch.tensor(2.0)]  # constants, as Adam's step counts
+        torch._foreach_add_(steps, 1)
+        assert [step.item() for step in steps] == [2.0, 3.0]
+        assert [value.item() for value in torch._foreach_sqrt(steps)] == pytest.approx([2.0 ** 0.5, 3.0 ** 0.5])
