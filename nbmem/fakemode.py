@@ -20,11 +20,14 @@ Where PyTorch's metadata fields are not the ones this was written against
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, TensorMetadata
+from torch._subclasses import fake_tensor
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, TensorMetadata
+from torch.utils._mode_utils import no_dispatch
 
 __all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
 
@@ -43,8 +46,24 @@ _PLAIN_VALUES = frozenset(
 )
 
 
+#: The internals the short paths below read (torch 2.13's fake_tensor.py); any absent: PyTorch's own path.
+_INTERNALS: dict[str, Any] = {
+    name: getattr(fake_tensor, name, None)
+    for name in ("_CacheKeyState", "_BypassDispatchCache", "_DispatchCacheValidEntry", "_DispatchCacheEntryOutputInfo",
+                 "_DISPATCH_META_HANDLERS", "_DISPATCH_HANDLE_DIRECTLY", "extract_tensor_metadata", "log")
+}
+_HIT_PATH = all(value is not None for value in _INTERNALS.values())
+_CacheKeyState, _BypassDispatchCache, _ValidEntry, _OutputInfo = (
+    _INTERNALS["_CacheKeyState"], _INTERNALS["_BypassDispatchCache"], _INTERNALS["_DispatchCacheValidEntry"],
+    _INTERNALS["_DispatchCacheEntryOutputInfo"],
+)
+_DEVICE = torch.ops.prim.device.default
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
 class FastKeyFakeTensorMode(FakeTensorMode):
-    """``FakeTensorMode`` whose dispatch-cache key for dense fake tensors takes fewer steps (same key).
+    """``FakeTensorMode`` whose dispatch-cache key for dense fake tensors takes fewer steps (same key),
+    and whose cache hits and device queries take fewer steps (same outputs).
 
     >>> mode = FastKeyFakeTensorMode()
     >>> with mode:
@@ -53,6 +72,140 @@ class FastKeyFakeTensorMode(FakeTensorMode):
     >>> hidden.shape, type(hidden).__name__
     (torch.Size([8, 64]), 'FakeTensor')
     """
+
+    def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """PyTorch's ``FakeTensorMode.dispatch``, with a shorter path for the two commonest cases of an estimate.
+
+        ``prim.device``: the autograd engine and the foreach optimizers ask
+        each fake tensor for its device (60 % of the ops of a Llama step):
+        answered as PyTorch's ``_device_handler`` answers, without the
+        ``no_dispatch()`` context PyTorch enters around a debug log line
+        first. ``.item()`` of a constant (a tensor made by ``torch.tensor(number)``): the
+        constant's value, as PyTorch's constant propagation gives it. A cache hit without a ShapeEnv (an estimate has none): the
+        same key and the same cached entry as ``_cached_dispatch_impl``, the
+        output made as ``_output_from_cache_entry`` makes it, without its
+        per-value checks for symbolic sizes, which only a ShapeEnv creates.
+        Everything else (misses, bypasses, symbolic shapes, debug logging,
+        cross-checking) goes to PyTorch's own method.
+        """
+        if func is _DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if (
+            func is _SCALAR and len(args) == 1 and not kwargs and type(args[0]) is FakeTensor
+            and args[0].fake_mode is self and args[0].constant is not None
+            and not args[0]._has_symbolic_sizes_strides
+        ):
+            # .item() of a tensor made by torch.tensor(number) (Adam's step count, read once per parameter
+            # per step): _dispatch_impl's constant propagation, which runs the op on the real constant
+            with no_dispatch():
+                return func(args[0].constant)
+        if (
+            _HIT_PATH
+            and self.shape_env is None
+            and self.cache_enabled
+            and not self.cache_crosscheck_enabled
+            and func not in _INTERNALS["_DISPATCH_META_HANDLERS"]
+            and func not in _INTERNALS["_DISPATCH_HANDLE_DIRECTLY"]
+            and not _INTERNALS["log"].isEnabledFor(logging.DEBUG)
+        ):
+            state = _CacheKeyState(None)
+            try:
+                key = self._cache_key(state, func, args, kwargs or {})
+            except _BypassDispatchCache:
+                key = None  # PyTorch's path counts the bypass
+            if key is not None and not state.cache_on_shape_env():
+                entry: Any = FakeTensorMode.cache.get(key)
+                if type(entry) is _ValidEntry:
+                    infos = entry.output_infos
+                    output = (
+                        tuple(self._from_cache(info, key, func, args) for info in infos)
+                        if entry.is_output_tuple
+                        else self._from_cache(infos[0], key, func, args)
+                    )
+                    FakeTensorMode.cache_hits += 1
+                    return output
+                if func.name().startswith("aten::_foreach_"):
+                    return self._foreach(key, func, types, args, kwargs)
+        return super().dispatch(func, types, args, kwargs if kwargs is not None else {})
+
+    def _foreach(self, key: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """A foreach op that returns new tensors (Adam's ``_foreach_sqrt``), from nbmem's own cache by the same key.
+
+        PyTorch caches no list output ("non-FakeTensor output") and runs the
+        op's meta function each time, a Python reference per tensor: for
+        GPT-2's 148 parameters about 5 % of an estimate. The outputs' metadata
+        is cached here under PyTorch's own key (it holds every input's
+        metadata; an input with a constant has no key), and new tensors are
+        made from it as from PyTorch's entries. Only when every output is a
+        new dense tensor of this mode with a storage of its own.
+        """
+        outputs = _FOREACH_OUTPUTS.get(key)
+        if outputs is not None:
+            return [self._from_cache(output, key, func, args) for output in outputs]
+        result = super().dispatch(func, types, args, kwargs if kwargs is not None else {})
+        if isinstance(result, list) and result and all(_new_dense(self, tensor, args) for tensor in result):
+            storages = {tensor.untyped_storage()._cdata for tensor in result}
+            if len(storages) == len(result):
+                _FOREACH_OUTPUTS[key] = tuple(
+                    _OutputInfo(None, _INTERNALS["extract_tensor_metadata"](tensor), None)
+                    for tensor in result
+                )
+        return result
+
+    def _from_cache(self, info: Any, key: Any, func: Any, args: Any) -> Any:
+        """``_get_output_tensor_from_cache_entry`` without a ShapeEnv: every cached size is a plain int."""
+        if info.inplace_idx is not None:
+            return args[info.inplace_idx]  # an in-place op: the argument itself
+        metadata = info.metadata
+        if metadata is None:
+            return info.constant_value if info.view_idx is None else None
+        if metadata.layout is not torch.strided:
+            return self._get_output_tensor_from_cache_entry(_CacheKeyState(None), info, key, func, args)
+        previous = self.in_kernel_invocation
+        # what in_kernel_invocation_manager does, inline (a generator context costs more than the op)
+        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+            self.in_kernel_invocation = True
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                empty = torch.empty_strided(
+                    metadata.shape, metadata.stride, dtype=metadata.dtype, layout=metadata.layout, device="meta",
+                    requires_grad=metadata.requires_grad,
+                )
+                if metadata.is_conj:
+                    torch._C._set_conj(empty, True)
+                if metadata.is_neg:
+                    torch._C._set_neg(empty, True)
+                if func.is_view:  # a view shares its input's storage
+                    view_arg = args[info.view_idx]
+                    empty.set_(view_arg.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
+            finally:
+                self.in_kernel_invocation = previous
+        return self._fake_tensor(empty, metadata.device)
+
+    def _fake_tensor(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """``FakeTensor(self, elem, device)`` for a cpu fake tensor, its attributes copied from one made so.
+
+        ``FakeTensor.__new__`` checks its arguments and sets a dozen attributes
+        one by one, five of them through descriptors (the memos of ``.item()``,
+        ``nonzero()``...): the first fake tensor this mode makes that way gives
+        the attributes, all the same for every new cpu tensor of the mode
+        (tests/test_fakemode.py compares them), and later ones copy them.
+        """
+        template = self.__dict__.get("_nbmem_new_fake")
+        if template is None or device.type != "cpu" or FakeTensorConfig.debug or torch.compiler.is_exporting():
+            made = FakeTensor(self, elem, device)
+            if template is None and device.type == "cpu" and not FakeTensorConfig.debug:
+                self.__dict__["_nbmem_new_fake"] = dict(made.__dict__)
+            return made
+        made = torch.Tensor._make_subclass(
+            FakeTensor, elem, elem.requires_grad, dispatch_device=True, device_for_backend_keys=device
+        )
+        if not self._allow_unsafe_data_ptr_access:
+            torch._C._set_throw_on_mutable_data_ptr(made)
+        else:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+        made.__dict__.update(template)
+        return made
 
     def _prep_args_for_hash(
         self, result: list[object], args: Any, state: Any, id_hashed_objects: list[object]
@@ -83,16 +236,47 @@ class FastKeyFakeTensorMode(FakeTensorMode):
                 super()._prep_args_for_hash(result, iter((arg,)), state, id_hashed_objects)
 
 
+#: Foreach outputs by PyTorch's cache key: metadata only, as PyTorch's own cache holds (FakeTensorMode.cache).
+_FOREACH_OUTPUTS: dict[Any, tuple[Any, ...]] = {}
+
+
+def _new_dense(mode: FakeTensorMode, tensor: Any, args: Any) -> bool:
+    """A dense fake tensor of ``mode`` on the cpu, not a view of an input, no constant: one a cache entry can make."""
+    if not (type(tensor) is FakeTensor and tensor.fake_mode is mode and tensor.constant is None
+            and tensor.layout is torch.strided and tensor.device.type == "cpu"
+            and not tensor._has_symbolic_sizes_strides and tensor.storage_offset() == 0):
+        return False
+    key = tensor.untyped_storage()._cdata
+    inputs = [item for arg in args for item in (arg if isinstance(arg, (list, tuple)) else (arg,))]
+    return all(not isinstance(item, torch.Tensor) or item.untyped_storage()._cdata != key for item in inputs)
+
+
+#: extract_tensor_metadata's memory format of 4-d and 5-d tensors, by (sizes, strides)
+_MEMORY_FORMATS: dict[tuple[torch.Size, tuple[int, ...]], torch.memory_format | None] = {}
+_UNKNOWN = object()
+
+
+def _memory_format(tensor: Any, suggested: torch.memory_format) -> torch.memory_format | None:
+    """The suggested format if the tensor is contiguous in it, else None (extract_tensor_metadata's rule)."""
+    return suggested if tensor.is_contiguous(memory_format=suggested) else None
+
+
 def _flatten_dense(result: list[object], tensor: Any) -> None:
     """What ``extract_tensor_metadata(tensor)._flatten_into(result, ...)`` appends for a dense, static-shape tensor."""
     shape = tensor.shape
     stride = tensor.stride()
-    # suggest_memory_format answers contiguous_format for any tensor not 4-d or 5-d (channels_last, _3d)
-    memory_format: torch.memory_format | None = (
-        suggest_memory_format(tensor) if len(shape) in (4, 5) else torch.contiguous_format
-    )
-    if not tensor.is_contiguous(memory_format=memory_format):
-        memory_format = None
+    if len(shape) in (4, 5):
+        # a function of sizes and strides alone (suggest_memory_format, is_contiguous), which a step repeats:
+        # attention's 4-d tensors, layer after layer
+        formats = _MEMORY_FORMATS.get((shape, stride), _UNKNOWN)
+        if formats is _UNKNOWN:
+            if len(_MEMORY_FORMATS) >= 4096:
+                _MEMORY_FORMATS.clear()
+            formats = _MEMORY_FORMATS[(shape, stride)] = _memory_format(tensor, suggest_memory_format(tensor))
+        memory_format = formats
+    else:
+        # suggest_memory_format answers contiguous_format for any tensor not 4-d or 5-d (channels_last, _3d)
+        memory_format = _memory_format(tensor, torch.contiguous_format)
     result.append(tensor.dtype)
     result.append(torch.Size)
     result.append(f"length_{len(shape)}")

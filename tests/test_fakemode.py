@@ -96,3 +96,107 @@ def test_a_training_step_allocates_as_under_fake_tensor_mode():
 
 def test_new_fake_mode_is_the_fast_one_on_this_torch():
     assert type(new_fake_mode()) is FastKeyFakeTensorMode
+
+
+def metadata(value):
+    """What a fake output is, for comparing two modes' answers: everything but its mode."""
+    if isinstance(value, (tuple, list)):
+        return [metadata(item) for item in value]
+    if not isinstance(value, torch.Tensor):
+        return value
+    attributes = {name: item for name, item in value.__dict__.items() if name != "fake_mode"}
+    return (type(value), tuple(value.shape), value.stride(), value.storage_offset(), value.dtype, value.device,
+            value.requires_grad, value.is_conj(), value.is_neg(), value.untyped_storage().nbytes(),
+            str(torch._C._dispatch_keys(value)), attributes)
+
+
+def hit_cases(mode):
+    """Ops a training step runs, each on this mode's tensors: outputs new, views, in place, tuples."""
+    with mode:
+        matrix = torch.empty(8, 16, requires_grad=True)
+        weight = torch.empty(16, 4)
+        complex_ = torch.empty(3, dtype=torch.complex64)
+        image = torch.empty(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    aten = torch.ops.aten
+    return [
+        (aten.mm.default, (matrix.detach(), weight)),
+        (aten.add.Tensor, (matrix.detach(), matrix.detach())),
+        (aten.t.default, (weight,)),                        # a view: shares its input's storage
+        (aten.slice.Tensor, (matrix.detach(), 0, 2, 6)),    # a view with a storage offset
+        (aten.detach.default, (matrix,)),
+        (aten.mul_.Tensor, (weight, weight)),               # in place: the argument itself
+        (aten.max.dim, (matrix.detach(), 1)),               # a tuple of two outputs
+        (aten.conj.default, (complex_,)),
+        (aten.empty.memory_format, ([4, 5],)),
+        (aten.relu.default, (image,)),
+    ]
+
+
+def test_a_cache_hit_answers_as_pytorchs_own_dispatch():
+    """The short path for cache hits makes the outputs PyTorch's path makes: same metadata, views, attributes."""
+    mode = FastKeyFakeTensorMode()
+    for func, args in hit_cases(mode):
+        with mode:
+            func(*args)  # the entry is cached now
+        hits = FakeTensorMode.cache_hits
+        with mode:
+            ours = mode.dispatch(func, (), args, {})
+            theirs = FakeTensorMode.dispatch(mode, func, (), args, {})
+        assert FakeTensorMode.cache_hits == hits + 2, func  # both were cache hits
+        assert metadata(ours) == metadata(theirs), func
+        if func.is_view:
+            assert ours.untyped_storage()._cdata == args[0].untyped_storage()._cdata
+        if func is torch.ops.aten.mul_.Tensor:
+            assert ours is args[0]
+
+
+def test_cache_hits_take_the_short_path(monkeypatch):
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        matrix = torch.empty(8, 16)
+        matrix + matrix
+    monkeypatch.setattr(FakeTensorMode, "_cached_dispatch_impl", lambda *args: pytest.fail("took PyTorch's path"))
+    with mode:
+        total = matrix + matrix
+    assert total.shape == (8, 16) and type(total).__name__ == "FakeTensor"
+
+
+def test_device_and_item_of_a_constant_answer_as_pytorchs_own():
+    for mode in (FastKeyFakeTensorMode(), FakeTensorMode()):
+        with mode:
+            step = torch.tensor(3.0)  # a constant, as Adam's step count is
+            assert step.item() == 3.0
+            assert (step + 1).item() == 4.0
+            assert torch.ops.prim.device.default(step) == torch.device("cpu")
+            with pytest.raises(Exception, match="DataDependent|data-dependent|_local_scalar_dense"):
+                torch.empty(2).sum().item()  # no constant: fake tensors have no value
+
+
+def test_a_foreach_op_answers_as_pytorchs_own_from_nbmems_cache(monkeypatch):
+    """Adam's _foreach_sqrt returns a list, which PyTorch doesn't cache: nbmem does, with the same outputs."""
+    from nbmem import fakemode
+
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        tensors = [torch.empty(3, 4), torch.empty(5).t(), torch.empty(2, 3, dtype=torch.bfloat16)]
+    func = torch.ops.aten._foreach_sqrt.default
+    with mode:
+        first = func(tensors)
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda *args: pytest.fail("took PyTorch's path"))
+    with mode:
+        again = mode.dispatch(func, (), (tensors,), {})
+    monkeypatch.undo()
+    with mode:
+        theirs = FakeTensorMode.dispatch(mode, func, (), (tensors,), {})
+    assert metadata(again) == metadata(theirs) == metadata(first)
+    assert len({tensor.untyped_storage()._cdata for tensor in again + tensors}) == 6  # each output new
+    assert len(fakemode._FOREACH_OUTPUTS) >= 1
+
+
+def test_a_foreach_op_in_place_or_on_constants_is_left_to_pytorch():
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        steps = [torch.tensor(1.0), torch.tensor(2.0)]  # constants, as Adam's step counts
+        torch._foreach_add_(steps, 1)
+        assert [step.item() for step in steps] == [2.0, 3.0]
+        assert [value.item() for value in torch._foreach_sqrt(steps)] == pytest.approx([2.0 ** 0.5, 3.0 ** 0.5])
