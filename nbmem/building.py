@@ -362,8 +362,11 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", None):
         # transformers' own reason for turning the KV cache off under checkpointing: the recomputed
-        # forward appends to it a second time and the attention shapes stop matching (issue 11)
-        config.use_cache = False  # type: ignore[union-attr]
+        # forward appends to it a second time and the attention shapes stop matching (issue 11).
+        # Off in a copy of the config: a factory may build every model from one config the user
+        # keeps (`build = lambda: LlamaForCausalLM(config)`), whose next model (a sweep's next
+        # configuration, the user's own) must keep its cache (notebook 08 found this).
+        _own_config(model, config).use_cache = False
         notes.append("checkpointing: Hugging Face's KV cache turned off (use_cache=False), as transformers does")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
@@ -389,6 +392,16 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=check)
     return chosen
+
+
+def _own_config(model: nn.Module, config: Any) -> Any:
+    """A shallow copy of ``config`` for ``model`` and each of its submodules that shared it (a Hugging Face
+    model's modules hold the one config object they were built from); the copy."""
+    own = copy.copy(config)
+    for module in model.modules():
+        if module.__dict__.get("config") is config:
+            module.config = own
+    return own
 
 
 def _own_checkpointing(model: nn.Module) -> str | None:

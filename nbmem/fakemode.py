@@ -20,6 +20,7 @@ Where PyTorch's metadata fields are not the ones this was written against
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch._prims_common import suggest_memory_format
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode, TensorMetadata
 from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
 
@@ -301,4 +303,25 @@ def new_fake_mode() -> FakeTensorMode:
     >>> type(new_fake_mode()).__name__
     'FastKeyFakeTensorMode'
     """
+    _autograd_started_outside_fake_mode()
     return FastKeyFakeTensorMode() if _SAME_FIELDS else FakeTensorMode()
+
+
+@functools.cache
+def _autograd_started_outside_fake_mode() -> None:
+    """One real, one-element backward on the CPU, once per process, before any backward on fake tensors.
+
+    Autograd's engine decides once per process whether it needs device threads
+    (``Engine::start_device_threads``, under a ``call_once``), and once it starts
+    them, a forked child's backward fails ("Unable to handle autograd's threading
+    in combination with fork-based multiprocessing"). Decided during a backward
+    under ``FakeTensorMode``, torch 2.14.1's CUDA build starts them on a machine
+    without a GPU (checked here; torch 2.13.0's CPU build does not), and then
+    :func:`nbmem.launch`, which forks its ranks, failed after any estimate (notebook
+    06 in an environment with that build). Decided by a real CPU backward, the
+    engine starts none. Hidden from any dispatch mode open around the estimate
+    (``%%gpumem``'s tracker): it is nbmem's, not the user's.
+    """
+    with _disable_current_modes():
+        leaf = torch.zeros(1, requires_grad=True)
+        leaf.sum().backward()

@@ -1,4 +1,5 @@
-"""Tiny real models for tests/test_zoo.py, built from configs with random weights (nothing is downloaded).
+"""Tiny real models for tests/test_zoo.py, built from configs with random weights (nothing is downloaded),
+and ``need``, which skips a test whose library is missing (the zoo's and notebook 08's tests).
 
 Each entry of ``ZOO`` is ``name -> (build, make_batch, vision)``: ``build()``
 returns a fresh model, ``make_batch(n)`` a batch nbmem's built-in step
@@ -9,10 +10,25 @@ only the zoo's second CI environment has (see .ci/run). Sizes follow issue 11:
 
 from __future__ import annotations
 
+import importlib
+import os
 from typing import Any, Callable
 
+import pytest
 import torch
 from torch import nn
+
+
+def need(*modules: str, env: str) -> None:
+    """Import ``modules`` or skip (fail when ``env`` is 1: CI must test them)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as error:  # torchvision's CUDA wheels also fail with RuntimeError; that should fail loudly
+            if os.environ.get(env) == "1":
+                pytest.fail(f"{env}=1 but {name} can't be imported: {error}")
+            pytest.skip(f"{name} is not installed ({error}); the zoo's CI run installs it")
+
 
 VOCABULARY = 256
 SEQUENCE = 32

@@ -200,3 +200,31 @@ def test_a_foreach_op_in_place_or_on_constants_is_left_to_pytorch():
         torch._foreach_add_(steps, 1)
         assert [step.item() for step in steps] == [2.0, 3.0]
         assert [value.item() for value in torch._foreach_sqrt(steps)] == pytest.approx([2.0 ** 0.5, 3.0 ** 0.5])
+
+
+_ESTIMATE_THEN_FORK = """
+import os, sys, torch, nbmem
+build = lambda: torch.nn.Linear(64, 4)
+make = lambda n: (torch.randn(n, 64), torch.randint(0, 4, (n,)))
+nbmem.estimate(build, make, batch_size=8, optimizer="sgd")  # the process's first backward: on fake tensors
+child = os.fork()
+if child == 0:  # as nbmem.launch's ranks are forked
+    leaf = torch.ones(3, requires_grad=True)
+    leaf.sum().backward()
+    os._exit(0 if leaf.grad.tolist() == [1.0, 1.0, 1.0] else 1)
+_, status = os.waitpid(child, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_child_can_run_backward_after_an_estimate():
+    """torch 2.14.1's CUDA build, without a GPU, started autograd's device threads in the first backward when that
+    was on fake tensors, and a forked child's backward then failed ("Unable to handle autograd's threading in
+    combination with fork-based multiprocessing"): nbmem.launch after an estimate, notebook 06 in the Binder
+    environment. On torch 2.13.0's CPU build this passed without the fix; the Binder test runs the failing build."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _ESTIMATE_THEN_FORK], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

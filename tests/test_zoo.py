@@ -11,27 +11,13 @@ then it fails.
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 from torch import nn
 
-from _zoo import ZOO, causal_lm_batch, gpt2, image_batch, padded_batch
+from _zoo import ZOO, causal_lm_batch, gpt2, image_batch, need, padded_batch
 from nbmem.allocator import round_allocation
 from nbmem.estimation import estimate
-
-
-def need(*modules: str, env: str) -> None:
-    """Import ``modules`` or skip (fail when ``env`` is 1: CI must test them)."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as error:  # torchvision's CUDA wheels also fail with RuntimeError; that should fail loudly
-            if os.environ.get(env) == "1":
-                pytest.fail(f"{env}=1 but {name} can't be imported: {error}")
-            pytest.skip(f"{name} is not installed ({error}); the zoo's CI run installs it")
 
 
 def need_zoo(vision: bool) -> None:
@@ -187,6 +173,33 @@ def test_hugging_face_checkpointing_is_its_own_and_leaves_the_users_model_alone(
                        mode=mode) for mode in ("estimated", "tracked")]
     assert chosen[0].peak == chosen[1].peak
     assert any("use_cache=False" in note for note in chosen[0].notes) and model.config.use_cache
+
+
+def test_checkpointing_leaves_the_cache_of_a_factorys_shared_config_alone():
+    """A factory that builds every model from one config (`lambda: LlamaForCausalLM(config)`): checkpointing
+    turned the cache off in that config, so every later model built from it, a sweep's next configuration
+    included, ran without its KV cache (found by notebook 08: its sweep's batch 2 was 1 MiB low)."""
+    need_zoo(vision=False)
+    from transformers import LlamaForCausalLM
+
+    from _zoo import llama_config
+
+    config = llama_config()
+    build = lambda: LlamaForCausalLM(config)  # noqa: E731
+
+    def holding_step(model, batch, optimizer):  # holds the outputs (logits and KV cache) through the update
+        outputs = model(**batch)
+        outputs.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    knobs = dict(batch_size=2, optimizer="sgd", step=holding_step)
+    before = estimate(build, causal_lm_batch, **knobs)
+    checkpointed = estimate(build, causal_lm_batch, checkpointing=True, **knobs)
+    assert config.use_cache is True
+    assert checkpointed.checkpointing == "on (Hugging Face activation_checkpointing_enable, use_cache=False)"
+    # the same step again gives the bytes it gave before (notebook 08 checks the KV cache's share in bytes)
+    assert estimate(build, causal_lm_batch, **knobs).peak == before.peak
 
 
 def test_an_instance_and_a_factory_give_the_same_bytes():
