@@ -29,13 +29,12 @@ import time
 from typing import Any, Callable, Iterator
 
 import torch
-from torch import nn
 
 import nbmem
 from nbmem import categories, tracking
 from nbmem.dispatch import TrackingMode
 
-from bench_overhead import EmptyMode, EmptySkippedMode, workloads
+from bench_overhead import EmptyMode, EmptySkippedMode, training_step, workloads
 
 
 class WrappedMode(TrackingMode):
@@ -100,13 +99,7 @@ def per_op(rounds: int) -> dict[str, dict[str, float]]:
 def per_step(rounds: int) -> dict[str, dict[str, float]]:
     results = {}
     for name, (model, batch, labels) in list(workloads().items())[:3]:
-        optimizer = torch.optim.AdamW(model.parameters())
-
-        def step() -> None:
-            loss = nn.functional.cross_entropy(model(batch), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        step = training_step(model, batch, labels, torch.optim.AdamW(model.parameters()))
 
         samples: dict[str, list[float]] = {tool: [] for tool in TOOLS}
         for _ in range(rounds):
