@@ -303,18 +303,24 @@ def profiler() -> object:
     return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
 
 
+def training_step(model: nn.Module, batch: torch.Tensor, labels: torch.Tensor, optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """One step: forward, cross-entropy, backward, AdamW step, zero_grad."""
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(model(batch), labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
 def training_step_slowdown(repeats: int) -> dict[str, dict[str, float]]:
     """Every tool's steps interleaved in rounds, so drift and the load of the machine hit all alike."""
     results = {}
     for name, (model, batch, labels) in workloads().items():
         optimizer = torch.optim.AdamW(model.parameters())
-
-        def step() -> None:
-            loss = nn.functional.cross_entropy(model(batch), labels)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
+        step = training_step(model, batch, labels, optimizer)
         counter = OpCounter()
         with counter:
             step()
