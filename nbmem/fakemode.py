@@ -76,18 +76,21 @@ class FastKeyFakeTensorMode(FakeTensorMode):
     """
 
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        """PyTorch's ``FakeTensorMode.dispatch``, with a shorter path for the two commonest cases of an estimate.
+        """PyTorch's ``FakeTensorMode.dispatch``, with shorter paths for the commonest cases of an estimate.
 
         ``prim.device``: the autograd engine and the foreach optimizers ask
         each fake tensor for its device (60 % of the ops of a Llama step):
         answered as PyTorch's ``_device_handler`` answers, without the
         ``no_dispatch()`` context PyTorch enters around a debug log line
-        first. ``.item()`` of a constant (a tensor made by ``torch.tensor(number)``): the
-        constant's value, as PyTorch's constant propagation gives it. A cache hit without a ShapeEnv (an estimate has none): the
-        same key and the same cached entry as ``_cached_dispatch_impl``, the
-        output made as ``_output_from_cache_entry`` makes it, without its
-        per-value checks for symbolic sizes, which only a ShapeEnv creates.
-        Everything else (misses, bypasses, symbolic shapes, debug logging,
+        first. ``.item()`` of a constant (a tensor made by
+        ``torch.tensor(number)``): the constant's value, as PyTorch's
+        constant propagation gives it. A cache hit without a ShapeEnv (an
+        estimate has none): the same key and the same cached entry as
+        ``_cached_dispatch_impl``, the output made as
+        ``_output_from_cache_entry`` makes it, without its per-value checks
+        for symbolic sizes, which only a ShapeEnv creates. A foreach op that
+        returns new tensors: see :meth:`_foreach`. Everything else (misses,
+        bypasses, symbolic shapes, debug logging,
         cross-checking) goes to PyTorch's own method.
         """
         if func is _DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
@@ -177,7 +180,7 @@ class FastKeyFakeTensorMode(FakeTensorMode):
                     torch._C._set_conj(empty, True)
                 if metadata.is_neg:
                     torch._C._set_neg(empty, True)
-                if func.is_view:  # a view shares its input's storage
+                if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
                     view_arg = args[info.view_idx]
                     empty.set_(view_arg.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
             finally:
