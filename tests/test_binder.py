@@ -9,8 +9,8 @@ turn into the same environment and must import and run.
 The PyTorch CPU index the file names can't be reached from here (pip is told
 not to retry it), so pip takes torch 2.14.1 and torchvision 0.29.1 from this
 machine's package index: CUDA builds, which run on the CPU but bring about
-5 GB of CUDA libraries (about 3 minutes to install on this project's 2-core
-machine, 5.7 GB on disk, removed after the module). Where that index can be
+5 GB of CUDA libraries (3 minutes to install on this project's 2-core
+machine, 8 with other work running; 5.7 GB on disk, removed after the module). Where that index can be
 reached, the test asserts the CPU builds and no CUDA library, as on
 mybinder.org.
 """
