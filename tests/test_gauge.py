@@ -215,7 +215,7 @@ def test_ctrl_c_in_a_watched_cell_leaves_no_thread_and_reports_failed_in_place(w
 # -- a real kernel nobody watches --------------------------------------------------
 
 
-LONG_CELL = "import time, torch\nkept = torch.zeros(1024, 1024)\ntime.sleep(1.5)"
+LONG_CELL = "import time, torch\nkept = torch.zeros(1024, 1024)\ntime.sleep(1.5)\ndel kept"  # every cell starts alike
 
 
 @pytest.mark.slow
