@@ -129,7 +129,7 @@ def watched(shell, monkeypatch):
 WAIT_FOR_GAUGE = (
     "kept = torch.zeros(1024, 1024)\n"  # 4 MiB
     "import threading\n"
-    "for _ in range(60000):\n"
+    "for attempt in range(60000):\n"  # not `_`: IPython would stop setting it (test_magics reads it)
     "    if any('allocated now +4.00 MiB' in o['data']['text/plain'] for o in list(get_ipython().display_pub.outputs)):\n"
     "        break\n"
     "    threading.Event().wait(0.005)\n"
