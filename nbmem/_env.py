@@ -45,7 +45,7 @@ def widgets_usable(shell: Any = None) -> bool:
 
 
 class FrontendProbe:
-    """Asks once whether a live frontend (JupyterLab, Notebook 7) is attached to this kernel.
+    """Whether a live frontend (JupyterLab, Notebook 7) watches this kernel's cells.
 
     Only a person watching needs a live gauge; nbclient (``nbmem profile``,
     ``jupyter nbconvert --execute``) runs the same kernel with nobody
@@ -53,8 +53,12 @@ class FrontendProbe:
     tell them apart by itself, so it opens a comm to a target no frontend
     has: JupyterLab's kernel connection refuses a comm whose target it does
     not know by closing it (``_handleCommOpen`` in @jupyterlab/services),
-    while nbclient only logs it. The answer arrives once the kernel is idle
-    again, so probe early: at ``%load_ext nbmem``.
+    while nbclient only logs it. The answer arrives once the kernel has run
+    the requests queued before it, so probe early: at ``%load_ext nbmem``.
+    "Run all" queues every cell before the answer; for it, a request sent by
+    JupyterLab's notebook says so itself: its metadata carries
+    ``deletedCells`` and ``recordTiming`` (``CodeCell.execute`` in
+    @jupyterlab/cells), which nbclient's requests (``cellId`` only) don't.
     """
 
     TARGET = "nbmem.frontend-probe"
@@ -73,6 +77,16 @@ class FrontendProbe:
 
     def _closed(self, message: Any) -> None:
         self.answered = True
+
+    def watching(self, shell: Any) -> bool:
+        """True when someone watches: the probe was answered, or the running cell came from JupyterLab."""
+        if self.answered:
+            return True
+        try:
+            metadata = shell.kernel.get_parent().get("metadata", {})
+        except Exception:  # not ipykernel's shell: nobody to ask
+            return False
+        return "deletedCells" in metadata and "recordTiming" in metadata
 
     def close(self) -> None:
         """Close the probe's comm (at ``%unload_ext``) if no frontend did."""

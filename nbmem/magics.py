@@ -347,7 +347,7 @@ class GpuMemMagics(Magics):
     def _live(self, quiet: bool, no_live: bool) -> bool:
         """Whether a gauge may show: asked for, and someone is watching (see _env.FrontendProbe)."""
         probe = self.session.frontend
-        return not (quiet or no_live) and probe is not None and probe.answered
+        return not (quiet or no_live) and probe is not None and probe.watching(self.shell)
 
     def _live_gauge(self, scope: MemoryScope, args: Any) -> LiveGauge | None:
         """A running gauge for a ``%%gpumem`` cell, or None where nothing live may show."""

@@ -15,6 +15,7 @@ makes that a failure.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -123,7 +124,8 @@ def _shoot(element: Any, name: str, lab: dict[str, Any]) -> Path:
     return path
 
 
-def _open_and_run(browser: Any, lab: dict[str, Any], name: str) -> Any:
+def _open_and_run(browser: Any, lab: dict[str, Any], name: str, *, until_done: bool = True) -> Any:
+    """The notebook opened in a new page with every cell run; ``until_done=False`` returns as the run starts."""
     page = browser.new_page(viewport={"width": 1200, "height": 900}, device_scale_factor=2)
     page.set_default_timeout(float(os.environ.get("NBMEM_BROWSER_TIMEOUT", "180")) * 1000)
     # a workspace of its own, reset: only this notebook open, whatever the previous page left
@@ -133,7 +135,9 @@ def _open_and_run(browser: Any, lab: dict[str, Any], name: str) -> Any:
     page.wait_for_function("(name) => { const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
                            " return panel && panel.context && panel.context.path === name"
                            " && panel.sessionContext && panel.sessionContext.session; }", arg=name)
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    # evaluate waits for a returned promise: run-all's resolves when the last cell has run
+    run = "window.jupyterapp.commands.execute('notebook:run-all-cells')"
+    page.evaluate(f"() => {run}" if until_done else f"() => {{ {run}; }}")
     return page
 
 
@@ -168,6 +172,65 @@ def test_the_quickstart_renders_nbmem_widgets(browser: Any, lab: dict[str, Any])
         chart = page.locator(".jp-Cell:has(.jp-InputArea:has-text('%gpumem history'))").locator(".jp-OutputArea").first
         assert chart.locator("img").count() == 1  # the history's bar chart
         _shoot(chart, "browser-history.png", lab)
+    finally:
+        page.close()
+
+
+#: A tracked cell that runs about 10 s on a virtual 32 MiB device, holding 1 MiB more every half
+#: second and letting 8 MiB go after 13 steps (issue 15's live gauge): the peak is 13 MiB.
+LIVE_GAUGE_CELLS = [
+    "%load_ext nbmem",
+    "import time, torch",
+    "%%gpumem --capacity 32MiB\nkept = []\nfor step in range(20):\n"
+    "    kept.append(torch.zeros(256, 1024))  # 256 * 1024 * 4 B = 1 MiB a step\n"
+    "    if step == 12:\n        del kept[:8]\n    time.sleep(0.5)\ndel kept",
+]
+GAUGE_TEXT = "() => { const g = document.querySelector('.jp-OutputArea-output .nbmem-gauge-text'); return g ? g.innerText : null; }"
+
+
+def test_a_long_tracked_cell_shows_the_live_gauge_then_its_report(browser: Any, lab: dict[str, Any]) -> None:
+    """Issue 15: while the cell runs, the gauge's figures change; at the end the report takes its place.
+
+    The gauge lives only while the cell runs: it is read here, every tenth
+    of a second, while the run goes on.
+    """
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in LIVE_GAUGE_CELLS])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, lab["root"] / "notebooks" / "live-gauge.ipynb")
+    page = _open_and_run(browser, lab, "live-gauge.ipynb", until_done=False)
+    try:
+        seen: list[str] = []
+        screenshot = None
+        for _ in range(6000):  # protection against a hang only (the cell runs about 10 s)
+            text = page.evaluate(GAUGE_TEXT)
+            if text is not None and text not in seen:
+                seen.append(text)
+                now, peak = re.findall(r"(?:now|so far) \+([0-9.]+) MiB", text) or ("", "")
+                if now and now != peak and screenshot is None:  # after the drop: now below the peak so far
+                    screenshot = _shoot(page.locator(".jp-Cell:has(.nbmem-gauge)").first, "browser-live-gauge.png", lab)
+            if page.locator(".jp-OutputArea-output .nbmem-report-widget").count():
+                break
+            time.sleep(0.1)
+        assert len(seen) >= 2, f"the gauge's text never changed while the cell ran: {seen}"
+        assert all(text.startswith("gpumem live · tracked on cpu · allocated now") for text in seen)
+        assert screenshot is not None and screenshot.stat().st_size > 2000
+        _wait_idle(page)
+        assert _errors(page) == []
+        # the report replaced the gauge in its output: one output, no gauge left
+        outputs = page.locator(".jp-Cell:has(.nbmem-report-widget) .jp-OutputArea-output")
+        assert outputs.count() == 1 and page.locator(".nbmem-gauge").count() == 0
+        assert "peak +13.0 MiB allocated" in outputs.first.inner_text()  # 13 steps * 1 MiB before the drop
+        # and the probe comm of %load_ext was refused (closed) by JupyterLab: the kernel knows it is watched
+        answered = page.evaluate(
+            "async () => { const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
+            " let text = ''; const future = kernel.requestExecute({code: 'from nbmem import magics; "
+            "print(magics._registered(get_ipython()).session.frontend.answered)', store_history: false});"
+            " future.onIOPub = (msg) => { if (msg.header.msg_type === 'stream') text += msg.content.text; };"
+            " await future.done; return text; }"
+        )
+        assert answered == "True\n"
     finally:
         page.close()
 
