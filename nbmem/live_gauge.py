@@ -43,7 +43,7 @@ from .units import format_bytes
 if TYPE_CHECKING:
     from .scope import MemoryScope
 
-__all__ = ["GaugeReading", "LiveGauge", "capacity_of", "INTERVAL", "CELL_DELAY", "LINE_DELAY", "THREAD_NAME"]
+__all__ = ["GaugeReading", "LiveGauge", "capacity_of", "virtual_label", "INTERVAL", "CELL_DELAY", "LINE_DELAY", "THREAD_NAME"]
 
 #: Seconds between two readings: "a few times a second at most" (issue 15).
 INTERVAL = 0.5
@@ -70,10 +70,13 @@ class GaugeReading:
     peak: int
     capacity: int | None
     seconds: float
+    #: What the capacity is, when not the device's own: "virtual" for ``--capacity``.
+    capacity_label: str = ""
 
     def text(self) -> str:
         """One line saying what each figure is: mode, device, allocated now and peak so far."""
-        share = f" ({self.peak / self.capacity:.1%} of {format_bytes(self.capacity)})" if self.capacity else ""
+        label = f"{self.capacity_label} " if self.capacity_label else ""
+        share = f" ({self.peak / self.capacity:.1%} of {label}{format_bytes(self.capacity)})" if self.capacity else ""
         return (
             f"gpumem live · {self.mode} on {self.device} · allocated now {format_bytes(self.allocated, signed=True)}"
             f" · peak so far {format_bytes(self.peak, signed=True)}{share} · {self.seconds:.1f} s"
@@ -104,7 +107,7 @@ class LiveGauge:
 
     ``show`` is called from the timer thread, at most every ``interval``
     seconds (default :data:`INTERVAL`), first after ``delay`` seconds. ``capacity`` (bytes, or None)
-    is what the readings' share is of.
+    is what the readings' share is of, and ``capacity_label`` what it is ("virtual").
     """
 
     def __init__(
@@ -113,12 +116,14 @@ class LiveGauge:
         show: Callable[[GaugeReading], None],
         *,
         capacity: int | None = None,
+        capacity_label: str = "",
         delay: float = CELL_DELAY,
         interval: float | None = None,
     ) -> None:
         self.scope = scope
         self.show = show
         self.capacity = capacity
+        self.capacity_label = capacity_label
         self.delay = delay
         self.interval = INTERVAL if interval is None else interval  # read now: a test may set INTERVAL
         #: How many readings were shown; read by the cell's thread after :meth:`stop`.
@@ -162,7 +167,9 @@ class LiveGauge:
                 if figures is None:  # the scope was stopped (a Ctrl-C may have skipped our stop())
                     return
                 allocated, peak, seconds = figures
-                reading = GaugeReading(self.scope.mode, str(self.scope.device), allocated, peak, self.capacity, seconds)
+                reading = GaugeReading(
+                    self.scope.mode, str(self.scope.device), allocated, peak, self.capacity, seconds, self.capacity_label
+                )
                 if self._stop.is_set():  # stopped while reading: the cell's report may be on its way
                     return
                 self.show(reading)
@@ -176,6 +183,11 @@ class LiveGauge:
                     stacklevel=1,
                 )
                 return
+
+
+def virtual_label(scope: "MemoryScope") -> str:
+    """``"virtual"`` for a ``--capacity`` device, so a gauge never passes it off as the real one."""
+    return "virtual" if scope.capacity is not None else ""
 
 
 def capacity_of(scope: "MemoryScope") -> int | None:

@@ -24,7 +24,7 @@ from . import _env, display
 from .diagnosis import diagnose, is_out_of_memory
 from .results import History, MemoryResult, first_line
 from .scope import BACKENDS, Backend, MemoryScope, resolve_backend
-from .live_gauge import CELL_DELAY, LINE_DELAY, LiveGauge, capacity_of
+from .live_gauge import CELL_DELAY, LINE_DELAY, LiveGauge, capacity_of, virtual_label
 from .tracking import default_tracker
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
@@ -353,7 +353,9 @@ class GpuMemMagics(Magics):
         """A running gauge for a ``%%gpumem`` cell, or None where nothing live may show."""
         if args.text or not self._live(args.quiet, args.no_live):
             return None
-        return LiveGauge(scope, display.GaugeView(), capacity=capacity_of(scope), delay=CELL_DELAY).start()
+        return LiveGauge(
+            scope, display.GaugeView(), capacity=capacity_of(scope), capacity_label=virtual_label(scope), delay=CELL_DELAY
+        ).start()
 
     # -- line actions -------------------------------------------------------
 
@@ -415,7 +417,9 @@ class GpuMemMagics(Magics):
         every = session.every_cell
         if every is not None and every.live and self._live(every.quiet, False):
             view = display.GaugeView(compact=True)
-            session.pending_gauge = LiveGauge(scope, view, capacity=capacity_of(scope), delay=LINE_DELAY).start()
+            session.pending_gauge = LiveGauge(
+                scope, view, capacity=capacity_of(scope), capacity_label=virtual_label(scope), delay=LINE_DELAY
+            ).start()
 
     def post_run_cell(self, result: Any) -> None:
         session = self.session

@@ -214,7 +214,7 @@ def test_a_long_tracked_cell_shows_the_live_gauge_then_its_report(browser: Any, 
                 break
             time.sleep(0.1)
         assert len(seen) >= 2, f"the gauge's text never changed while the cell ran: {seen}"
-        assert all(text.startswith("gpumem live · tracked on cpu · allocated now") for text in seen)
+        assert all(text.startswith("gpumem live · tracked on cpu · allocated now") and "of virtual 32.0 MiB" in text for text in seen)
         assert screenshot is not None and screenshot.stat().st_size > 2000
         _wait_idle(page)
         assert _errors(page) == []

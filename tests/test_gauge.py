@@ -55,6 +55,8 @@ def test_a_reading_says_mode_device_allocated_and_peak():
     assert "(25.0% of 8.00 MiB)" in capped.text()
     assert "width:12.50%" in capped.html() and "left:25.00%" in capped.html()
     assert "nbmem-gauge-bar" not in capped.html(compact=True)
+    virtual = GaugeReading("tracked", "cpu", MiB, 2 * MiB, 8 * MiB, 1.0, capacity_label="virtual")
+    assert "(25.0% of virtual 8.00 MiB)" in virtual.text()
 
 
 def test_tracked_gauge_reads_exact_bytes_now_and_peak():
