@@ -49,6 +49,7 @@ import itertools
 import sys
 from typing import Any
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["live_tensors", "collections_stamp", "walk"]
 
@@ -102,8 +103,11 @@ def walk(tracker: Any, adopt: bool, young: bool = False) -> None:
         del refused[key]
     try:
         for tensor in tensors:
+            if isinstance(tensor, FakeTensor):
+                continue  # first: asking a fake tensor anything (.is_meta, .device) is an op (prim.device)
+                # that reaches an active tracker's mode, which adopted it: every fake tensor alive was counted
             try:
-                if tensor.is_meta or not tracker._on_device(tensor):
+                if tensor.is_meta:
                     continue
                 if tensor.layout is torch.strided:
                     storage = tensor.untyped_storage()
@@ -113,6 +117,8 @@ def walk(tracker: Any, adopt: bool, young: bool = False) -> None:
                         continue  # a virtual out-of-memory error refused it: it is on no device
             except (RuntimeError, NotImplementedError):
                 pass  # no storage of its own (sparse): _count counts its parts
+            if not tracker._on_device(tensor):
+                continue
             tracker._count(tensor, adopt=adopt)
             if adopt and isinstance(tensor, torch.nn.Parameter) and tracker._attribution is not None:
                 tracker._attribution.adopt_parameter(tensor)

@@ -323,6 +323,25 @@ def test_a_fake_tensor_is_not_in_the_baseline():
     del ghost
 
 
+def test_a_fake_tensor_is_not_in_the_baseline_of_a_scope_that_opens_while_another_tracks():
+    # %%gpumem around nbmem.track, or a track() after an estimate whose models the user kept: the
+    # walk runs with a tracker active, and asking a fake tensor its device is an op that reaches it
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        ghost = torch.empty(1 << 20)  # claims 4 MiB on "cpu"
+    tracker = Tracker("cpu")
+    with tracker:
+        tracker.adopt_live()
+    assert tracker.storage_key(ghost) is None
+    with nbmem.track("cpu") as outer:
+        with nbmem.track("cpu") as inner:
+            made = torch.zeros(256)  # 1 KiB
+    assert inner.result.peak == outer.result.peak == 1024
+    assert inner.result.allocated_before == outer.result.allocated_before  # no 4 MiB of the ghost in either
+    del ghost, made
+
+
 def test_torch_tensor_of_an_ndarray_counts_only_the_copy():
     numpy = pytest.importorskip("numpy")
     array = numpy.ones((1024, 1024), dtype=numpy.float32)  # 4 MiB of NumPy's memory
