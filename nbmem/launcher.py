@@ -77,18 +77,65 @@ def run_ranks(
     ended well: a progress view's hook.
     """
     context = multiprocessing.get_context("fork")
-    with _cleanup_before_sigterm(), tempfile.TemporaryDirectory(prefix="nbmem-launch-") as folder:
+    with _cleanup_before_sigterm(), _Interrupts() as interrupts, \
+            tempfile.TemporaryDirectory(prefix="nbmem-launch-") as folder:
         processes = [
             context.Process(target=_rank_main, args=(target, rank, world_size, backend, folder), daemon=True)
             for rank in range(world_size)
         ]
         try:
+            interrupts.held = True  # a fork interrupted before its pid is known would leave an orphan
             for process in processes:
                 process.start()
+            interrupts.release()
             _wait(processes, folder, timeout, on_rank)
             return [_load(folder, rank) for rank in range(world_size)]
         finally:
+            interrupts.held = True  # a second Ctrl-C (or each rank's own) must not cut the reaping short
             _stop(processes)
+
+
+class _Interrupts:
+    """Ctrl-C during a launch, held back while ranks are forked and while they are killed and reaped.
+
+    Between those, SIGINT raises KeyboardInterrupt as Python's default does.
+    While ``held``, it is only remembered: :meth:`release` raises it, and so
+    does leaving the ``with`` block normally; leaving it with an exception
+    already on its way (the first Ctrl-C, an error) drops it, as one
+    interrupt is enough. Only in the main thread, and only where SIGINT has
+    Python's default handler (where it is ignored or handled by the user,
+    nothing changes).
+    """
+
+    def __init__(self) -> None:
+        self.held = False
+        self.pending = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "_Interrupts":
+        previous = signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread() and previous is signal.default_int_handler:
+            self._previous = previous
+            signal.signal(signal.SIGINT, self._interrupt)
+        return self
+
+    def _interrupt(self, number: int, frame: Any) -> None:
+        if self.held:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    def release(self) -> None:
+        self.held = False
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        if kind is None and self.pending:
+            raise KeyboardInterrupt
 
 
 class _Terminated(BaseException):

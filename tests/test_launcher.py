@@ -150,3 +150,63 @@ def test_sigterm_to_the_parent_removes_the_launch_folder_and_every_rank(tmp_path
     assert parent.returncode == -signal.SIGTERM  # it still dies of the signal, as without nbmem
     assert not list(temporary.glob("nbmem-launch-*"))
     assert all(gone(int((tmp_path / f"pid{rank}").read_text())) for rank in range(2))
+
+
+@pytest.fixture
+def default_sigint():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("also_while_reaping", [False, True])
+def test_ctrl_c_from_every_rank_stops_the_launch_once_and_reaps_every_rank(
+    default_sigint, monkeypatch, also_while_reaping
+):
+    """Each rank sends the parent a Ctrl-C, so two arrive; one more while the ranks are killed and reaped.
+
+    Before the launch held back a Ctrl-C during its cleanup, the second one
+    could land inside the loop that kills and reaps the ranks, and they were
+    left running (or as zombies). The third, sent from inside that loop,
+    makes the test deterministic.
+    """
+    from nbmem import launcher
+    from test_parallel import _children
+
+    stop = launcher._stop
+
+    def stop_with_ctrl_c(processes):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once: Python runs the handler at the next check
+        stop(processes)
+
+    if also_while_reaping:
+        monkeypatch.setattr(launcher, "_stop", stop_with_ctrl_c)
+
+    def target(rank, world_size):
+        os.kill(os.getppid(), signal.SIGINT)
+        time.sleep(FOREVER)
+
+    before = _children()
+    with pytest.raises(KeyboardInterrupt):
+        run_ranks(target, 2, timeout=600)
+    assert _children() == before  # no rank left running, none left a zombie
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the launch's handler is gone
+
+
+def test_a_ctrl_c_while_ranks_are_reaped_after_a_good_launch_is_raised_after(default_sigint, monkeypatch):
+    from nbmem import launcher
+    from test_parallel import _children
+
+    stop = launcher._stop
+
+    def stop_with_ctrl_c(processes):
+        os.kill(os.getpid(), signal.SIGINT)
+        stop(processes)
+
+    monkeypatch.setattr(launcher, "_stop", stop_with_ctrl_c)
+    before = _children()
+    with pytest.raises(KeyboardInterrupt):  # the user's Ctrl-C is not lost, only held until the reaping is done
+        run_ranks(lambda rank, world_size: rank, 2, timeout=600)
+    assert _children() == before
