@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["TrackingMode"]
+__all__ = ["TrackingMode", "before_op", "after_op", "SKIPS_BY_CODE", "skip_dynamo"]
 
 _Tensor = torch.Tensor
 # torch.tensor(data) builds its tensor outside the dispatcher and then hands it
@@ -33,9 +33,20 @@ _FRESH = {torch.ops.aten.lift_fresh.default}
 
 try:
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
-    _SKIPS_BY_CODE = True
+    SKIPS_BY_CODE = True
 except ImportError:  # pragma: no cover - such a torch keeps its own (slower) wrapper
-    _SKIPS_BY_CODE = False
+    SKIPS_BY_CODE = False
+
+
+def skip_dynamo(function: Any) -> None:
+    """Have Dynamo skip ``function``'s frames and, recursively, every frame they call (module docstring).
+
+    For a mode whose ``_should_skip_dynamo()`` is ``not SKIPS_BY_CODE``: on a
+    torch without the mechanism, PyTorch's own wrapper stays.
+    """
+    if SKIPS_BY_CODE:
+        # SKIP, SKIP: this frame and, recursively, every frame it calls (the tracker's accounting, the hooks it runs)
+        set_code_exec_strategy(function.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
 class TrackingMode(TorchDispatchMode):
@@ -48,7 +59,7 @@ class TrackingMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         # False: PyTorch leaves __torch_dispatch__ unwrapped; Dynamo skips it by its code (module docstring)
-        return not _SKIPS_BY_CODE
+        return not SKIPS_BY_CODE
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -57,27 +68,37 @@ class TrackingMode(TorchDispatchMode):
         # should read like CUDA's, ending at the user's op
         __tracebackhide__ = True
         tracker = self.tracker
-        if tracker._foreign:
-            tracker.drain()
-        tracker._op_index += 1
-        tracker._op = func
-        if tracker._recordings:
-            for recording in tracker._recordings:
-                recording.ops.append(func)
-        if func not in _FRESH:
-            tracker._adopt_all(args)
-            if kwargs:
-                tracker._adopt_all(kwargs.values())
+        before_op(tracker, func, args, kwargs)
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if tracker._foreign:  # freed while the op ran: before its outputs, which may reuse the storage's place
-            tracker.drain()
-        if isinstance(out, _Tensor):  # most ops: one tensor out, counted without the walk through _note
-            tracker._count(out, False)
-        elif isinstance(out, (tuple, list)):
-            tracker._note(out)
+        after_op(tracker, out)
         return out
 
 
-if _SKIPS_BY_CODE:
-    # SKIP, SKIP: this frame and, recursively, every frame it calls (the tracker's accounting, the hooks it runs)
-    set_code_exec_strategy(TrackingMode.__torch_dispatch__.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+def before_op(tracker: Any, func: Any, args: Any, kwargs: Any) -> None:
+    """The tracker's part before ``func`` runs: deaths so far counted, the op numbered, its inputs adopted."""
+    __tracebackhide__ = True
+    if tracker._foreign:
+        tracker.drain()
+    tracker._op_index += 1
+    tracker._op = func
+    if tracker._recordings:
+        for recording in tracker._recordings:
+            recording.ops.append(func)
+    if func not in _FRESH:
+        tracker._adopt_all(args)
+        if kwargs:
+            tracker._adopt_all(kwargs.values())
+
+
+def after_op(tracker: Any, out: Any) -> None:
+    """The tracker's part after: what died while the op ran, then its outputs counted."""
+    __tracebackhide__ = True
+    if tracker._foreign:  # freed while the op ran: before its outputs, which may reuse the storage's place
+        tracker.drain()
+    if isinstance(out, _Tensor):  # most ops: one tensor out, counted without the walk through _note
+        tracker._count(out, False)
+    elif isinstance(out, (tuple, list)):
+        tracker._note(out)
+
+
+skip_dynamo(TrackingMode.__torch_dispatch__)

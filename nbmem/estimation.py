@@ -53,6 +53,7 @@ from .userstep import (
     step_label,
     user_step_notes,
 )
+from .fakemode import FastKeyFakeTensorMode
 from .tracking import Tracker
 from .units import format_bytes
 
@@ -361,6 +362,8 @@ def estimate(
         # a launched rank (gloo on the CPU): gloo's own flat copies, made in its worker threads, are not
         # counted; NCCL, which a GPU run uses, works on FSDP's buffers in place
         tracker.adopt_unseen = not (mode == "tracked" and parallel != "single")
+        if isinstance(fake_mode, FastKeyFakeTensorMode) and parallel == "single":
+            tracker.host = fake_mode  # one trip into Python per op, not two (FastKeyFakeTensorMode.carry)
         scope = functools.partial(MemoryScope, tracker=tracker)
         before = (0, 0)
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()

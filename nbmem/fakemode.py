@@ -31,6 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTens
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .dispatch import SKIPS_BY_CODE, after_op, before_op, skip_dynamo
+
 __all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
 
 #: TensorMetadata's fields in torch 2.13 (torch/_subclasses/fake_tensor.py): the
@@ -74,6 +76,57 @@ class FastKeyFakeTensorMode(FakeTensorMode):
     >>> hidden.shape, type(hidden).__name__
     (torch.Size([8, 64]), 'FakeTensor')
     """
+
+    #: The tracker this mode reports each op to (see :meth:`carry`), and whether an op of it is being dispatched.
+    _nbmem_tracker: Any = None
+    _nbmem_inside = False
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # False: __torch_dispatch__ below stays unwrapped, and Dynamo skips it by its code (nbmem.dispatch)
+        return not SKIPS_BY_CODE
+
+    def carry(self, tracker: Any) -> None:
+        """Report every op to ``tracker`` (None: stop), as its own ``TrackingMode`` would.
+
+        A tracker's dispatch mode above this one costs every op a second
+        trip from the dispatcher into Python (about 4 us of the 30 us an op
+        that hits the cache costs, and 9,000 of GPT-2's 17,000 ops are device
+        queries that cost 5 us): an estimate's tracker rides on the fake mode
+        instead. Only the ops a mode above would see are reported: those
+        this mode runs inside another op's dispatch (decompositions, meta
+        functions) are not. A tensor subclass this mode leaves to itself
+        (NotImplemented: a DTensor) is seen through the ops it runs, not as
+        its own output, so estimates of parallel runs keep a mode of their own.
+        """
+        self._nbmem_tracker = tracker
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        """PyTorch's ``FakeTensorMode.__torch_dispatch__`` without its two Python wrappers, and the tracker carried.
+
+        PyTorch wraps it in ``torch._dynamo.disable`` (every dispatch mode's,
+        see :mod:`nbmem.dispatch`) and in ``torch.utils._stats.count`` (a call
+        counter for PyTorch's debugging): about 3 us of every op's fake
+        dispatch. Dynamo skips this frame by its code instead; the counter is
+        not kept.
+        """
+        __tracebackhide__ = True
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
+        if kwargs is None:
+            kwargs = {}
+        tracker = self._nbmem_tracker
+        if tracker is None or self._nbmem_inside:
+            return self.dispatch(func, types, args, kwargs)
+        before_op(tracker, func, args, kwargs)
+        self._nbmem_inside = True
+        try:
+            out = self.dispatch(func, types, args, kwargs)
+        finally:
+            self._nbmem_inside = False
+        if out is not NotImplemented:
+            after_op(tracker, out)
+        return out
 
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """PyTorch's ``FakeTensorMode.dispatch``, with shorter paths for the commonest cases of an estimate.
@@ -241,6 +294,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
                 super()._prep_args_for_hash(result, iter((arg,)), state, id_hashed_objects)
 
 
+skip_dynamo(FastKeyFakeTensorMode.__torch_dispatch__)
+
 #: Foreach outputs by PyTorch's cache key: metadata only, as PyTorch's own cache holds (FakeTensorMode.cache).
 _FOREACH_OUTPUTS: dict[Any, tuple[Any, ...]] = {}
 
@@ -256,9 +311,9 @@ def _new_dense(mode: FakeTensorMode, tensor: Any, args: Any) -> bool:
     return all(not isinstance(item, torch.Tensor) or item.untyped_storage()._cdata != key for item in inputs)
 
 
-#: extract_tensor_metadata's memory format of 4-d and 5-d tensors, by (sizes, strides)
-_MEMORY_FORMATS: dict[tuple[torch.Size, tuple[int, ...]], torch.memory_format | None] = {}
-_UNKNOWN = object()
+#: What _flatten_dense appends for a tensor's sizes and strides, and its memory format, by (sizes, strides):
+#: a function of those alone (suggest_memory_format, is_contiguous), and a step repeats its shapes layer after layer
+_SHAPES: dict[tuple[torch.Size, tuple[int, ...]], tuple[list[object], torch.memory_format | None]] = {}
 
 
 def _memory_format(tensor: Any, suggested: torch.memory_format) -> torch.memory_format | None:
@@ -270,29 +325,22 @@ def _flatten_dense(result: list[object], tensor: Any) -> None:
     """What ``extract_tensor_metadata(tensor)._flatten_into(result, ...)`` appends for a dense, static-shape tensor."""
     shape = tensor.shape
     stride = tensor.stride()
-    if len(shape) in (4, 5):
-        # a function of sizes and strides alone (suggest_memory_format, is_contiguous), which a step repeats:
-        # attention's 4-d tensors, layer after layer
-        formats = _MEMORY_FORMATS.get((shape, stride), _UNKNOWN)
-        if formats is _UNKNOWN:
-            if len(_MEMORY_FORMATS) >= 4096:
-                _MEMORY_FORMATS.clear()
-            formats = _MEMORY_FORMATS[(shape, stride)] = _memory_format(tensor, suggest_memory_format(tensor))
-        memory_format = formats
-    else:
+    known = _SHAPES.get((shape, stride))
+    if known is None:
+        part: list[object] = [torch.Size, f"length_{len(shape)}"]
+        for size in shape:
+            part += (int, size)
+        part += (tuple, f"length_{len(stride)}")
+        for step in stride:
+            part += (int, step)
         # suggest_memory_format answers contiguous_format for any tensor not 4-d or 5-d (channels_last, _3d)
-        memory_format = _memory_format(tensor, torch.contiguous_format)
+        suggested = suggest_memory_format(tensor) if len(shape) in (4, 5) else torch.contiguous_format
+        if len(_SHAPES) >= 4096:
+            _SHAPES.clear()
+        known = _SHAPES[(shape, stride)] = (part, _memory_format(tensor, suggested))
+    part, memory_format = known
     result.append(tensor.dtype)
-    result.append(torch.Size)
-    result.append(f"length_{len(shape)}")
-    for size in shape:
-        result.append(int)
-        result.append(size)
-    result.append(tuple)
-    result.append(f"length_{len(stride)}")
-    for step in stride:
-        result.append(int)
-        result.append(step)
+    result += part
     result += (
         tensor.device, torch.strided, memory_format, tensor.storage_offset(), tensor.untyped_storage().nbytes(),
         tensor.requires_grad, tensor.is_quantized, tensor.is_conj(), tensor.is_neg(), tensor.is_inference(),

@@ -114,6 +114,9 @@ class Tracker:
         self._op: Any = None
         self._recordings: list[Recording] = []
         self._mode: TrackingMode | None = None
+        #: A fake mode that reports every op to this tracker while it is active, in place of a TrackingMode
+        #: (``FastKeyFakeTensorMode.carry``): set by an estimate before the tracker is first activated.
+        self.host: Any = None
         self._attribution: Any = None
         # the garbage collector's count when adopt_live last found every live tensor (see nbmem.live)
         self._walked: tuple[int, int] | None = None
@@ -262,8 +265,11 @@ class Tracker:
         # each piece is noted before it goes in, so _uninstall finds it whatever the interrupt cut short
         self._attribution = Attribution(self)
         self._attribution.install()
-        self._mode = TrackingMode(self)
-        self._mode.__enter__()
+        if self.host is not None:
+            self.host.carry(self)  # an estimate's fake mode reports the ops itself (nbmem.fakemode)
+        else:
+            self._mode = TrackingMode(self)
+            self._mode.__enter__()
         watch_resizes(self)
 
     def _uninstall(self) -> None:
@@ -271,6 +277,8 @@ class Tracker:
         from .categories import remove_global_hooks
 
         remove_dispatch_modes(self._owns)
+        if self.host is not None and self.host._nbmem_tracker is self:
+            self.host.carry(None)
         unwatch_resizes(self)
         if self._attribution is not None:
             self._attribution.remove()
