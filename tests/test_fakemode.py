@@ -228,3 +228,24 @@ def test_a_forked_child_can_run_backward_after_an_estimate():
 
     done = subprocess.run([sys.executable, "-c", _ESTIMATE_THEN_FORK], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["dense", "bf16 and ints", "size and dtype", "inference", "empty"])
+def test_whole_key_equals_pytorchs_own(case):
+    """The key's head too (op, default dtype and device, inference mode, tracing), under settings that change it."""
+    mode = FastKeyFakeTensorMode()
+    args = arguments(mode)[case]
+    func = torch.ops.aten.add.Tensor
+    for settings in (lambda: torch.inference_mode(), lambda: torch.device("meta"), lambda: torch.no_grad()):
+        with settings():
+            ours = mode._cache_key(_CacheKeyState(None), func, args, {"alpha": 2})
+            theirs = FakeTensorMode._cache_key(mode, _CacheKeyState(None), func, args, {"alpha": 2})
+        assert ours == theirs and ours.key[0] is func
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert mode._cache_key(_CacheKeyState(None), func, args, {}) == FakeTensorMode._cache_key(
+            mode, _CacheKeyState(None), func, args, {})
+        assert torch.float64 in mode._cache_key(_CacheKeyState(None), func, args, {}).key
+    finally:
+        torch.set_default_dtype(previous)
