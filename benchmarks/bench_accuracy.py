@@ -35,6 +35,8 @@ from torch import nn
 import nbmem
 from nbmem.estimation import estimate
 
+from _environment import write_json
+
 
 class Transformer(nn.Module):
     def __init__(self) -> None:
@@ -190,9 +192,7 @@ def main() -> None:
             **summary([{**row, "estimated": row["tracked"]} for row in rows], "measured", "peak")
         }
     print(json.dumps(results["summary"], indent=1))
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump(results, file, indent=1)
+    write_json(args.json, results, indent=1)
 
 
 if __name__ == "__main__":

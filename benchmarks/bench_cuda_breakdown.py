@@ -20,6 +20,8 @@ import torch
 
 import nbmem
 
+from _environment import write_json
+
 sys.path.insert(0, "tests")
 from test_cuda import quickstart_model  # noqa: E402  (one definition of the quickstart step)
 
@@ -57,9 +59,7 @@ def main() -> None:
         "rows": rows,
     }
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from torch import nn
 
 import nbmem
 
+from _environment import write_json
+
 
 class GPT(nn.Module):
     """Decoder-only, pre-norm: embedding, n x TransformerEncoderLayer (causal), head."""
@@ -67,9 +69,7 @@ def main() -> None:
     }
     print(result)
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

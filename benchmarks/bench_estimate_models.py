@@ -25,10 +25,7 @@ BERT-base and GPT-2, 7B in <= 3 s and < 1 GiB RSS. The explorer's target
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import resource
 import statistics
 import time
@@ -37,6 +34,8 @@ from typing import Any, Callable
 import torch
 
 import nbmem
+
+from _environment import environment, write_json
 
 
 def models() -> dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], Any], int]]:
@@ -134,13 +133,7 @@ def main() -> None:
             row["max_rss_bytes_after"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
         figures[name] = row
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "torch_threads": torch.get_num_threads(),
-        "nbmem": nbmem.__version__,
+        **environment("transformers"),
         "load_average_1min": {"min": min(loads), "max": max(loads), "each": loads},
         "estimate": figures,
     }
@@ -154,9 +147,7 @@ def main() -> None:
               f"{other_peak:>17}")
     rss = figures["llama-2-7b config"]["max_rss_bytes_after"]
     print(f"peak RSS after the 7B estimates {rss / 2**20:.0f} MiB; load {min(loads):.1f}-{max(loads):.1f}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

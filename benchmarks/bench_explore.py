@@ -20,10 +20,7 @@ an idle 2-core machine.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +33,7 @@ import nbmem
 from nbmem.explorer import Explorer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _environment import environment, write_json  # noqa: E402
 from bench_estimate_models import models  # noqa: E402  (the same configs as the estimate benchmark)
 
 #: The controls moved, in order, from batch 8, fp32, AdamW, no checkpointing: each a new configuration.
@@ -85,13 +83,7 @@ def main() -> None:
             "changes": rows,
         }
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "torch_threads": torch.get_num_threads(),
-        "nbmem": nbmem.__version__,
+        **environment("transformers"),
         "load_average_1min": {"min": min(loads), "max": max(loads), "each": loads},
         "explorer": figures,
     }
@@ -101,9 +93,7 @@ def main() -> None:
         print(f"{name:<12}{row['median_wall_s']:>10.2f}{row['median_cpu_s']:>8.2f}{row['max_wall_s']:>8.2f}   {each}")
     print("changes: " + ", ".join(f"{name}={value}" for name, value in CHANGES)
           + f"; load {min(loads):.1f}-{max(loads):.1f}")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

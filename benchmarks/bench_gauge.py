@@ -23,10 +23,8 @@ written with the figures (the machine is shared).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -38,6 +36,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import nbmem  # noqa: E402
+from _environment import environment, write_json  # noqa: E402
 from bench_overhead import workloads  # noqa: E402  (the same workloads as the overhead benchmark)
 from nbmem.live_gauge import INTERVAL, GaugeReading, LiveGauge  # noqa: E402
 
@@ -130,23 +129,16 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "nbmem": nbmem.__version__,
+        **environment(),
         "gauge_interval_s": INTERVAL,
         "load_average_1min_at_start": os.getloadavg()[0],
         "tick": tick_cost(),
         "training_step": measure(args.rounds, args.seconds),
     }
     tick = report["tick"]
-    print(f"one tick: {tick['tick_us']:.0f} us, {tick['share_of_a_second_at_interval']:.4%} of the time at one tick "  # type: ignore[index]
+    print(f"one tick: {tick['tick_us']:.0f} us, {tick['share_of_a_second_at_interval']:.4%} of the time at one tick "
           f"per {INTERVAL} s; load average {report['load_average_1min_at_start']:.1f} at the start")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

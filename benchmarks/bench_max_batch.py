@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import json
 import platform
 
 import torch
@@ -24,6 +23,8 @@ from torch import nn
 
 import nbmem
 from nbmem.estimation import estimate
+
+from _environment import write_json
 
 
 def lightning_binsearch(fits, start: int = 2, limit: int = 1 << 16) -> tuple[int, int]:
@@ -109,9 +110,7 @@ def main() -> None:
         "nbmem": nbmem.__version__,
         "rows": rows,
     }
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

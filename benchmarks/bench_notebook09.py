@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _environment import write_json
+
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "09-will-it-fit.ipynb"
 TARGET_SECONDS = 120
 
@@ -73,9 +75,7 @@ def main() -> None:
     print(f"{'whole notebook, kernel start included':55} {figures['notebook_total']:6.1f} s")
     print(f"load average before {load_before[0]:.1f}, after {report['load_average_after'][0]:.1f} "
           f"on {os.cpu_count()} CPUs")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

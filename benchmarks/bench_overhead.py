@@ -42,10 +42,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import platform
 import statistics
 import time
 from typing import Callable
@@ -56,6 +54,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nbmem
 from nbmem import counters, scope
+
+from _environment import environment, write_json
 
 
 def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 5) -> float:
@@ -406,22 +406,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
     report = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="minutes"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "nbmem": nbmem.__version__,
+        **environment(),
         "magic": None if args.skip_magic else magic_fixed_cost(args.repeats),
         "training_step": training_step_slowdown(args.repeats),
         "load_average_1min_at_start": load_before,
     }
     print(json.dumps(report, indent=2))
-    print(summary(report["training_step"]))  # type: ignore[arg-type]
+    print(summary(report["training_step"]))
     print(f"slowdown = median step time inside the tool / bare; load average {load_before:.1f} at the start")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import nbmem
 from nbmem import categories, tracking
 from nbmem.dispatch import TrackingMode
 
+from _environment import write_json
 from bench_overhead import EmptyMode, EmptySkippedMode, training_step, workloads
 
 
@@ -143,9 +144,7 @@ def main() -> None:
     print(f"{'per step (slowdown, CPU)':<32}" + "".join(f"{tool:>20}" for tool in list(TOOLS)[1:]))
     for name, row in report["per_step"].items():
         print(f"{name[:31]:<32}" + "".join(f"{row[f'{tool}_cpu_slowdown']:>19.3f}x" for tool in list(TOOLS)[1:]))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":

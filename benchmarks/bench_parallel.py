@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import platform
 import statistics
 import time
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 import nbmem
+from _environment import write_json
 from bench_accuracy import Transformer
 
 
@@ -120,9 +120,7 @@ def main() -> None:
         speed=speed(),
         agreement=records,
     )
-    if options.json:
-        with open(options.json, "w") as file:
-            json.dump(result, file, indent=1)
+    write_json(options.json, result, indent=1)
 
 
 if __name__ == "__main__":

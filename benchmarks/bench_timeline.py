@@ -27,6 +27,8 @@ from nbmem.scope import MemoryScope
 from nbmem.timeline import build_timeline
 from nbmem.tracking import Tracker
 
+from _environment import write_json
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -74,9 +76,7 @@ def main() -> None:
         },
     }
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as out:
-            json.dump(report, out, indent=2)
+    write_json(args.json, report)
 
 
 if __name__ == "__main__":
