@@ -22,7 +22,7 @@ import matplotlib
 import torch
 
 import nbmem
-from nbmem.display import _figure_png, timeline_figure
+from nbmem.charts import figure_png, timeline_figure
 from nbmem.scope import MemoryScope
 from nbmem.timeline import build_timeline
 from nbmem.tracking import Tracker
@@ -55,7 +55,7 @@ def main() -> None:
         timeline = build_timeline(recording, tracker.op_count)
         build.append(time.perf_counter() - start)
         start = time.perf_counter()
-        png = _figure_png(timeline_figure(timeline))
+        png = figure_png(timeline_figure(timeline))
         render.append(time.perf_counter() - start)
         assert timeline.peak_bytes == scope.result.peak_allocated and len(png) > 1000
         del keep
