@@ -68,6 +68,7 @@ _CacheKeyState, _BypassDispatchCache, _ValidEntry, _OutputInfo = (
 )
 _DEVICE = torch.ops.prim.device.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
 
 
 class FastKeyFakeTensorMode(FakeTensorMode):
@@ -162,6 +163,10 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             # per step): _dispatch_impl's constant propagation, which runs the op on the real constant
             with no_dispatch():
                 return func(args[0].constant)
+        if func is _LIFT_FRESH and len(args) == 1 and not kwargs and type(args[0]) is torch.Tensor:
+            lifted = self._lifted(args[0])
+            if lifted is not None:
+                return lifted
         if (
             _HIT_PATH
             and self.shape_env is None
@@ -190,6 +195,42 @@ class FastKeyFakeTensorMode(FakeTensorMode):
                 if func.name().startswith("aten::_foreach_"):
                     return self._foreach(key, func, types, args, kwargs)
         return super().dispatch(func, types, args, kwargs if kwargs is not None else {})
+
+    def _lifted(self, real: torch.Tensor) -> FakeTensor | None:
+        """``torch.tensor(number)`` under this mode: a fake tensor holding a copy of the real one as its constant.
+
+        What ``_dispatch_impl``'s constant propagation makes of ``lift_fresh``
+        (the op ``torch.tensor`` ends in), without the meta converter's general
+        path: AdamW makes one such step count per parameter (200 for BERT,
+        0.4 ms each, never cached). Only a small, dense, contiguous cpu tensor
+        without autograd; the fake tensor is registered as PyTorch registers
+        it (the converter's memo, and the constant's storage, so that writing
+        to it in place drops the constant). None: PyTorch's own path.
+        """
+        if not (
+            _HIT_PATH and self.shape_env is None and not FakeTensorConfig.debug
+            and real.device.type == "cpu" and real.layout is torch.strided and not real.requires_grad
+            and real.is_contiguous() and real.storage_offset() == 0 and not real.is_quantized
+            and not real.is_conj() and not real.is_neg() and not real.is_inference() and self.may_turn_const(real)
+            and "_nbmem_new_fake" in self.__dict__
+        ):
+            return None
+        with no_dispatch():
+            constant = real.clone()
+        previous = self.in_kernel_invocation
+        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
+            self.in_kernel_invocation = True
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                empty = torch.empty_strided(constant.shape, constant.stride(), dtype=constant.dtype, device="meta")
+            finally:
+                self.in_kernel_invocation = previous
+        fake = self._fake_tensor(empty, constant.device)
+        fake.constant = constant
+        converter = self.fake_tensor_converter
+        converter.set_tensor_memo(constant, fake)
+        converter.add_constant_storage_mapping(fake)
+        return fake
 
     def _foreach(self, key: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
         """A foreach op that returns new tensors (Adam's ``_foreach_sqrt``), from nbmem's own cache by the same key.

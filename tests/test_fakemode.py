@@ -249,3 +249,40 @@ def test_whole_key_equals_pytorchs_own(case):
         assert torch.float64 in mode._cache_key(_CacheKeyState(None), func, args, {}).key
     finally:
         torch.set_default_dtype(previous)
+
+
+def _lifted_description(mode_type):
+    mode = mode_type()
+    described = []
+    with mode:
+        torch.empty(2)  # the mode's first fake tensor (nbmem's template of a new one's attributes)
+        for value in (0.0, 3, True, [1.5, 2.0], 2.5):
+            made = torch.tensor(value)
+            attributes = {name: item for name, item in made.__dict__.items() if name not in ("constant", "fake_mode")}
+            described.append((made.shape, made.stride(), made.dtype, made.device, made.requires_grad, made.is_leaf,
+                              made.untyped_storage().nbytes(), None if made.constant is None else made.constant.tolist(),
+                              str(attributes), made.fake_mode is mode))
+        step = torch.tensor(0.0)
+        converter = mode.fake_tensor_converter
+        registered = converter._get_memo(step.constant) is step
+        step += 1  # in place: the constant follows (PyTorch propagates it through the write)
+        described.append((registered, step.constant.tolist(), step.item(), len(converter.constant_storage_mapping) > 0))
+    return described
+
+
+def test_torch_tensor_of_a_number_answers_as_pytorchs_own(monkeypatch):
+    """torch.tensor(number) (AdamW's step counts) takes nbmem's short path, and makes what PyTorch's path makes."""
+    taken = []
+    lifted = FastKeyFakeTensorMode._lifted
+
+    def counted(self, real):
+        made = lifted(self, real)
+        taken.append(made is not None)
+        return made
+
+    monkeypatch.setattr(FastKeyFakeTensorMode, "_lifted", counted)
+    ours = _lifted_description(FastKeyFakeTensorMode)
+    assert ours == _lifted_description(FakeTensorMode)
+    assert ours[0][7] == 0.0 and ours[-1] == (True, 1.0, 1.0, True)
+    # every torch.tensor above went to the short path but the two-element list (PyTorch keeps no constant of it)
+    assert taken == [True, True, True, False, True, True]
