@@ -379,3 +379,26 @@ def test_a_tracker_of_ones_own_is_a_fresh_device_without_the_process_baseline():
         pass
     assert scope.result.allocated_before >= 8 * MiB + MiB
     del held, made
+
+
+def test_an_estimate_between_two_cells_leaves_the_next_baseline_whole():
+    """An estimate pauses the garbage collector: it must not move objects between generations.
+
+    With ``gc.freeze()`` (tried first) every object went to the oldest
+    generation when the estimate ended, where the next scope's walk of the
+    young generations did not look: a tensor made after the last walk was
+    missed, and its free inside the cell never counted.
+    """
+    with nbmem.track("cpu"):
+        pass  # a walk: the default tracker's stamp
+    held = torch.ones(2048, 1024)  # 8 MiB, made outside any scope after that walk: in a young generation
+    model = lambda: torch.nn.Sequential(torch.nn.Linear(32, 32))  # noqa: E731
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**6, 10, 10)  # no collection of its own in between (one would make the next walk whole)
+    try:
+        nbmem.estimate(model, lambda n: (torch.randn(n, 32), torch.randn(n, 32)), batch_size=4)
+    finally:
+        gc.set_threshold(*thresholds)
+    with nbmem.track("cpu") as scope:
+        del held
+    assert scope.result.retained == -8 * MiB
