@@ -53,7 +53,7 @@ from .userstep import (
     step_label,
     user_step_notes,
 )
-from .fakemode import FastKeyFakeTensorMode, estimating
+from .fakemode import FastKeyFakeTensorMode
 from .tracking import Tracker
 from .units import format_bytes
 
@@ -366,7 +366,7 @@ def estimate(
             tracker.host = fake_mode  # one trip into Python per op, not two (FastKeyFakeTensorMode.carry)
         scope = functools.partial(MemoryScope, tracker=tracker)
         before = (0, 0)
-    outer = estimating(fake_mode) if fake_mode is not None else contextlib.nullcontext()
+    outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
     if fake_mode is None:
         rank = _real_rank(parallel)
     elif isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:

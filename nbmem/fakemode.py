@@ -19,13 +19,11 @@ Where PyTorch's metadata fields are not the ones this was written against
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch._prims_common import suggest_memory_format
@@ -37,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .dispatch import SKIPS_BY_CODE, after_op, before_op, skip_dynamo
 
-__all__ = ["new_fake_mode", "FastKeyFakeTensorMode", "estimating"]
+__all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
 
 #: TensorMetadata's fields in torch 2.13 (torch/_subclasses/fake_tensor.py): the
 #: order _flatten_into appends them in, which _flatten_dense follows.
@@ -83,7 +81,9 @@ class FastKeyFakeTensorMode(FakeTensorMode):
     (torch.Size([8, 64]), 'FakeTensor')
     """
 
-    #: The tracker this mode reports each op to (see :meth:`carry`), and whether an op of it is being dispatched.
+    #: A weak reference to the tracker this mode reports each op to (see :meth:`carry`), and whether an op of
+    #: it is being dispatched. Weak: ``copy.deepcopy`` of a fake tensor copies its mode, and with it this
+    #: attribute (a weak reference is copied as it is; a tracker can't be copied).
     _nbmem_tracker: Any = None
     _nbmem_inside = False
 
@@ -105,7 +105,7 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         (NotImplemented: a DTensor) is seen through the ops it runs, not as
         its own output, so estimates of parallel runs keep a mode of their own.
         """
-        self._nbmem_tracker = tracker
+        self._nbmem_tracker = weakref.ref(tracker) if tracker is not None else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """PyTorch's ``FakeTensorMode.__torch_dispatch__`` without its two Python wrappers, and the tracker carried.
@@ -121,7 +121,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
         if kwargs is None:
             kwargs = {}
-        tracker = self._nbmem_tracker
+        carried = self._nbmem_tracker
+        tracker = carried() if carried is not None else None
         if tracker is None or self._nbmem_inside:
             return self.dispatch(func, types, args, kwargs)
         before_op(tracker, func, args, kwargs)
@@ -204,15 +205,15 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         path: AdamW makes one such step count per parameter (200 for BERT,
         0.4 ms each, never cached). Only a small, dense, contiguous cpu tensor
         without autograd; the fake tensor is registered as PyTorch registers
-        it (the converter's memo, and the constant's storage, so that writing
-        to it in place drops the constant). None: PyTorch's own path.
+        it (the converter's memos of the tensor and of its storage, and the
+        constant's storage, so that writing to it in place updates or drops
+        the constant). None: PyTorch's own path.
         """
         if not (
             _HIT_PATH and self.shape_env is None and not FakeTensorConfig.debug
             and real.device.type == "cpu" and real.layout is torch.strided and not real.requires_grad
             and real.is_contiguous() and real.storage_offset() == 0 and not real.is_quantized
             and not real.is_conj() and not real.is_neg() and not real.is_inference() and self.may_turn_const(real)
-            and "_nbmem_new_fake" in self.__dict__
         ):
             return None
         with no_dispatch():
@@ -229,6 +230,10 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         fake.constant = constant
         converter = self.fake_tensor_converter
         converter.set_tensor_memo(constant, fake)
+        # the storage too: a view of the constant (unsqueeze) then shares the fake tensor's storage, as PyTorch's do
+        describer = converter.meta_converter.describer
+        converter.meta_converter.set_storage_memo(describer.describe_storage(constant.untyped_storage()),
+                                                  fake.untyped_storage())
         converter.add_constant_storage_mapping(fake)
         return fake
 
@@ -424,40 +429,6 @@ def new_fake_mode() -> FakeTensorMode:
     """
     _autograd_started_outside_fake_mode()
     return FastKeyFakeTensorMode() if _SAME_FIELDS else FakeTensorMode()
-
-
-@contextlib.contextmanager
-def estimating(mode: FakeTensorMode) -> Iterator[None]:
-    """Inside ``mode``, with Python's automatic garbage collection paused.
-
-    An estimate makes hundreds of thousands of short-lived objects (fake
-    tensors, cache keys, the tracker's records); the collections they
-    trigger are cheap, except the occasional full one, which walks every
-    object of the process (torch's, transformers', the notebook's): 0.14 s of
-    a 0.9 s GPT-2 estimate when it came. Paused, nothing is collected during
-    the estimate; what it leaves in reference cycles (about 9,000 objects for
-    GPT-2: the tracker's records and closures, no tensor) goes in the next
-    collection after it. Pausing moves no object between generations, so the
-    young-generation walks of :mod:`nbmem.live` stay sound (``gc.freeze()``
-    would move every object to the oldest). Where collection was already
-    off, it stays off.
-
-    >>> with estimating(new_fake_mode()):
-    ...     gc.isenabled()
-    False
-    >>> gc.isenabled()
-    True
-    """
-    paused = False
-    try:
-        if gc.isenabled():
-            paused = True  # first: an interrupt right after disable() still enables
-            gc.disable()
-        with mode:
-            yield
-    finally:
-        if paused:
-            gc.enable()
 
 
 @functools.cache

@@ -116,7 +116,11 @@ class _Interrupts:
         previous = signal.getsignal(signal.SIGINT)
         if threading.current_thread() is threading.main_thread() and previous is signal.default_int_handler:
             self._previous = previous
-            signal.signal(signal.SIGINT, self._interrupt)
+            try:
+                signal.signal(signal.SIGINT, self._interrupt)
+            except BaseException:  # a Ctrl-C right after: the with block never starts, so __exit__ won't run
+                signal.signal(signal.SIGINT, previous)
+                raise
         return self
 
     def _interrupt(self, number: int, frame: Any) -> None:
@@ -309,6 +313,8 @@ def _rank_main(target: Callable[[int, int], Any], rank: int, world_size: int, ba
         _die_with_parent()
         # the parent's SIGTERM handler (see _cleanup_before_sigterm) came with the fork; a rank dies of SIGTERM
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # and its SIGINT handler, which holds a Ctrl-C while ranks are forked (_Interrupts): Python's own here
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         log = open(os.path.join(folder, f"rank{rank}.log"), "w", buffering=1)
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)

@@ -277,8 +277,10 @@ class Tracker:
         from .categories import remove_global_hooks
 
         remove_dispatch_modes(self._owns)
-        if self.host is not None and self.host._nbmem_tracker is self:
-            self.host.carry(None)
+        if self.host is not None:
+            carried = self.host._nbmem_tracker
+            if carried is not None and carried() is self:
+                self.host.carry(None)
         unwatch_resizes(self)
         if self._attribution is not None:
             self._attribution.remove()

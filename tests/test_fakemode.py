@@ -255,13 +255,13 @@ def _lifted_description(mode_type):
     mode = mode_type()
     described = []
     with mode:
-        torch.empty(2)  # the mode's first fake tensor (nbmem's template of a new one's attributes)
-        for value in (0.0, 3, True, [1.5, 2.0], 2.5):
+        for value in (0.0, 3, True, [1.5, 2.0], 2.5):  # the first, before any other fake tensor of the mode
             made = torch.tensor(value)
             attributes = {name: item for name, item in made.__dict__.items() if name not in ("constant", "fake_mode")}
+            shares = made.unsqueeze(0).untyped_storage()._cdata == made.untyped_storage()._cdata  # a view's storage
             described.append((made.shape, made.stride(), made.dtype, made.device, made.requires_grad, made.is_leaf,
                               made.untyped_storage().nbytes(), None if made.constant is None else made.constant.tolist(),
-                              str(attributes), made.fake_mode is mode))
+                              str(attributes), made.fake_mode is mode, shares))
         step = torch.tensor(0.0)
         converter = mode.fake_tensor_converter
         registered = converter._get_memo(step.constant) is step
@@ -283,6 +283,43 @@ def test_torch_tensor_of_a_number_answers_as_pytorchs_own(monkeypatch):
     monkeypatch.setattr(FastKeyFakeTensorMode, "_lifted", counted)
     ours = _lifted_description(FastKeyFakeTensorMode)
     assert ours == _lifted_description(FakeTensorMode)
-    assert ours[0][7] == 0.0 and ours[-1] == (True, 1.0, 1.0, True)
+    assert ours[0][7] == 0.0 and ours[0][10] and ours[-1] == (True, 1.0, 1.0, True)
     # every torch.tensor above went to the short path but the two-element list (PyTorch keeps no constant of it)
     assert taken == [True, True, True, False, True, True]
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # Tensor.__deepcopy__ asks for it
+def test_a_fake_tensor_can_be_deep_copied_while_its_mode_carries_a_tracker():
+    """The mode holds its tracker weakly: ``copy.deepcopy`` of a fake tensor copies the mode, never the tracker."""
+    import copy
+
+    from nbmem.tracking import Tracker
+
+    mode = FastKeyFakeTensorMode()
+    tracker = Tracker("cpu")
+    tracker.host = mode
+    with mode, tracker:
+        weight = torch.empty(4, 4)
+        copied = copy.deepcopy(weight)
+    assert copied.shape == (4, 4) and tracker.record_of(weight) is not None
+    assert mode._nbmem_tracker is None  # the tracker left when it was deactivated
+
+
+def test_the_carried_tracker_sees_each_op_once_and_survives_a_failing_op():
+    from nbmem.tracking import Tracker
+
+    mode = FastKeyFakeTensorMode()
+    tracker = Tracker("cpu")
+    tracker.host = mode
+    with mode, tracker:
+        matrix = torch.empty(8, 16)
+        before = tracker._op_index
+        torch.nn.functional.layer_norm(matrix, (16,))  # decomposed inside the fake mode: one op for the tracker
+        assert tracker._op_index - before == 1
+        with pytest.raises(RuntimeError):
+            matrix @ matrix  # 8x16 @ 8x16: the fake mode refuses it
+        assert not mode._nbmem_inside
+        before = tracker.allocated()
+        kept = matrix @ matrix.t()
+        assert tracker.allocated() - before == 512  # 8 x 8 x 4 B, rounded to CUDA's 512 B: still counted
+    del kept

@@ -210,3 +210,10 @@ def test_a_ctrl_c_while_ranks_are_reaped_after_a_good_launch_is_raised_after(def
     with pytest.raises(KeyboardInterrupt):  # the user's Ctrl-C is not lost, only held until the reaping is done
         run_ranks(lambda rank, world_size: rank, 2, timeout=600)
     assert _children() == before
+
+
+def test_a_rank_gets_pythons_own_ctrl_c_not_the_launchs(default_sigint):
+    """The launch holds a Ctrl-C while it forks; a rank must not inherit that handler (it would ignore Ctrl-C)."""
+    answers = run_ranks(lambda rank, world_size: signal.getsignal(signal.SIGINT) is signal.default_int_handler, 2,
+                        timeout=600)
+    assert answers == [True, True]
