@@ -288,16 +288,22 @@ def test_torch_tensor_of_a_number_answers_as_pytorchs_own(monkeypatch):
     assert taken == [True, True, True, False, True, True]
 
 
-@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # Tensor.__deepcopy__ asks for it
-def test_a_fake_tensor_can_be_deep_copied_while_its_mode_carries_a_tracker():
-    """The mode holds its tracker weakly: ``copy.deepcopy`` of a fake tensor copies the mode, never the tracker."""
-    import copy
-
+def carrying_mode():
+    """A fake mode and a tracker that rides on it, as an estimate pairs them."""
     from nbmem.tracking import Tracker
 
     mode = FastKeyFakeTensorMode()
     tracker = Tracker("cpu")
     tracker.host = mode
+    return mode, tracker
+
+
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # Tensor.__deepcopy__ asks for it
+def test_a_fake_tensor_can_be_deep_copied_while_its_mode_carries_a_tracker():
+    """The mode holds its tracker weakly: ``copy.deepcopy`` of a fake tensor copies the mode, never the tracker."""
+    import copy
+
+    mode, tracker = carrying_mode()
     with mode, tracker:
         weight = torch.empty(4, 4)
         copied = copy.deepcopy(weight)
@@ -306,11 +312,7 @@ def test_a_fake_tensor_can_be_deep_copied_while_its_mode_carries_a_tracker():
 
 
 def test_the_carried_tracker_sees_each_op_once_and_survives_a_failing_op():
-    from nbmem.tracking import Tracker
-
-    mode = FastKeyFakeTensorMode()
-    tracker = Tracker("cpu")
-    tracker.host = mode
+    mode, tracker = carrying_mode()
     with mode, tracker:
         matrix = torch.empty(8, 16)
         before = tracker._op_index
