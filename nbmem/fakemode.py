@@ -218,15 +218,10 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             return None
         with no_dispatch():
             constant = real.clone()
-        previous = self.in_kernel_invocation
-        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
-            self.in_kernel_invocation = True
-            torch._C._set_meta_in_tls_dispatch_include(True)
-            try:
-                empty = torch.empty_strided(constant.shape, constant.stride(), dtype=constant.dtype, device="meta")
-            finally:
-                self.in_kernel_invocation = previous
-        fake = self._fake_tensor(empty, constant.device)
+        # made as a cache entry's output is (no op: not a view of anything)
+        fake: FakeTensor = self._from_cache(
+            _OutputInfo(None, _INTERNALS["extract_tensor_metadata"](constant), None), None, None, ()
+        )
         fake.constant = constant
         converter = self.fake_tensor_converter
         converter.set_tensor_memo(constant, fake)
