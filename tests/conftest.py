@@ -9,6 +9,8 @@ browser) or runs a notebook.
 from __future__ import annotations
 
 import builtins
+import signal
+from typing import Iterator
 
 import pytest
 import torch
@@ -53,3 +55,13 @@ def shell():
     for name in set(ip.user_ns) - names:
         if not name.startswith("_"):
             del ip.user_ns[name]
+
+
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test, whatever pytest or a kernel installed."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -152,15 +152,6 @@ def test_sigterm_to_the_parent_removes_the_launch_folder_and_every_rank(tmp_path
     assert all(gone(int((tmp_path / f"pid{rank}").read_text())) for rank in range(2))
 
 
-@pytest.fixture
-def default_sigint():
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 @pytest.mark.parametrize("also_while_reaping", [False, True])
 def test_ctrl_c_from_every_rank_stops_the_launch_once_and_reaps_every_rank(
     default_sigint, monkeypatch, also_while_reaping

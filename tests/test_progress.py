@@ -18,7 +18,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -74,15 +74,6 @@ def _raise() -> None:
 def _sigint() -> None:
     # a real SIGINT to this process; Python's default handler raises KeyboardInterrupt at the next bytecode
     os.kill(os.getpid(), signal.SIGINT)
-
-
-@pytest.fixture
-def default_sigint() -> Iterator[None]:
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def assert_next_cell_exact() -> None:
