@@ -67,6 +67,8 @@ _CacheKeyState, _BypassDispatchCache, _ValidEntry, _OutputInfo = (
 _DEVICE = torch.ops.prim.device.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_META = torch.device("meta")
+_get_dispatch_mode, _FAKE_KEY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
 
 class FastKeyFakeTensorMode(FakeTensorMode):
@@ -117,7 +119,11 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         not kept.
         """
         __tracebackhide__ = True
-        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        if func is _DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
+            # a device query (60 % of an estimate's ops, see dispatch): nothing made, and nothing a tracked run's
+            # mode sees (a real tensor answers it in C++), so not reported to the tracker either
+            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
+        if _get_dispatch_mode(_FAKE_KEY) is not None:
             raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
         if kwargs is None:
             kwargs = {}
@@ -287,25 +293,21 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             return info.constant_value if info.view_idx is None else None
         if metadata.layout is not torch.strided:
             return self._get_output_tensor_from_cache_entry(_CacheKeyState(None), info, key, func, args)
-        previous = self.in_kernel_invocation
-        # what in_kernel_invocation_manager does, inline (a generator context costs more than the op)
-        with torch._C._DisableTorchDispatch(), torch._C._PreserveDispatchKeyGuard():
-            self.in_kernel_invocation = True
-            torch._C._set_meta_in_tls_dispatch_include(True)
-            try:
-                empty = torch.empty_strided(
-                    metadata.shape, metadata.stride, dtype=metadata.dtype, layout=metadata.layout, device="meta",
-                    requires_grad=metadata.requires_grad,
-                )
-                if metadata.is_conj:
-                    torch._C._set_conj(empty, True)
-                if metadata.is_neg:
-                    torch._C._set_neg(empty, True)
-                if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
-                    view_arg = args[info.view_idx]
-                    empty.set_(view_arg.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
-            finally:
-                self.in_kernel_invocation = previous
+        # PyTorch makes it inside in_kernel_invocation_manager, whose Meta dispatch key a factory given
+        # device=meta, and set_ on the meta tensor it made, don't need (a generator context costs more than
+        # the op); dispatch modes below this one (a %%gpumem cell's tracker) must not see them
+        with torch._C._DisableTorchDispatch():
+            empty = torch.empty_strided(
+                metadata.shape, metadata.stride, dtype=metadata.dtype, layout=metadata.layout, device=_META,
+                requires_grad=metadata.requires_grad,
+            )
+            if metadata.is_conj:
+                torch._C._set_conj(empty, True)
+            if metadata.is_neg:
+                torch._C._set_neg(empty, True)
+            if isinstance(func, torch._ops.OpOverload) and func.is_view:  # a view shares its input's storage
+                view_arg = args[info.view_idx]
+                empty.set_(view_arg.untyped_storage(), metadata.storage_offset, metadata.shape, metadata.stride)
         return self._fake_tensor(empty, metadata.device)
 
     def _fake_tensor(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
