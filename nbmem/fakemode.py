@@ -64,6 +64,9 @@ _CacheKeyState, _BypassDispatchCache, _ValidEntry, _OutputInfo = (
     _INTERNALS["_CacheKeyState"], _INTERNALS["_BypassDispatchCache"], _INTERNALS["_DispatchCacheValidEntry"],
     _INTERNALS["_DispatchCacheEntryOutputInfo"],
 )
+_META_HANDLERS, _HANDLE_DIRECTLY, _LOG = (
+    _INTERNALS["_DISPATCH_META_HANDLERS"], _INTERNALS["_DISPATCH_HANDLE_DIRECTLY"], _INTERNALS["log"]
+)
 _DEVICE = torch.ops.prim.device.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
@@ -179,9 +182,9 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             and self.shape_env is None
             and self.cache_enabled
             and not self.cache_crosscheck_enabled
-            and func not in _INTERNALS["_DISPATCH_META_HANDLERS"]
-            and func not in _INTERNALS["_DISPATCH_HANDLE_DIRECTLY"]
-            and not _INTERNALS["log"].isEnabledFor(logging.DEBUG)
+            and func not in _META_HANDLERS
+            and func not in _HANDLE_DIRECTLY
+            and not _LOG.isEnabledFor(logging.DEBUG)
         ):
             state = _CacheKeyState(None)
             try:

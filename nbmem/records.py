@@ -9,6 +9,7 @@ Plain records, kept apart from :mod:`nbmem.tracking`'s accounting.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +90,12 @@ class VirtualOOM:
             f"[nbmem: virtual device{name}, tracked on {self.device}; no CUDA memory was used. "
             f"The op was {self.op}{' in ' + self.module if self.module else ''}.]"
         )
+
+
+@functools.cache
+def _wraps(kind: type) -> bool:
+    """``is_traceable_wrapper_subclass`` (a DTensor; not a FakeTensor) of a tensor of this subclass, once per type."""
+    return hasattr(kind, "__tensor_flatten__") and hasattr(kind, "__tensor_unflatten__")
 
 
 def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:

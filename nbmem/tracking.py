@@ -33,7 +33,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 
 from .counters import PeakScopes
 from .dispatch import TrackingMode
-from .records import PeakDetail, Recording, StorageRecord, VirtualOOM, _parts, _virtual_device_is_full, rebuild_counters
+from .records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _parts, _virtual_device_is_full, _wraps,
+                      rebuild_counters)
 from .installed import remove_dispatch_modes, remove_every_tracker, remove_last, unwatch_resizes, watch_resizes
 from .live import walk
 from .results import CATEGORIES
@@ -467,7 +468,7 @@ class Tracker:
                 return
         if not self._on_device(tensor):
             return
-        if storage is None or (type(tensor) not in _PLAIN and is_traceable_wrapper_subclass(tensor)):
+        if storage is None or (type(tensor) not in _PLAIN and _wraps(type(tensor))):
             # A sparse tensor has no storage of its own: its memory is that of
             # its index and value tensors; a DTensor's own storage is a
             # placeholder of the global size: its memory is its local shard.
