@@ -185,3 +185,18 @@ def test_an_estimate_follows_cuda_for_layer_norm() -> None:
     assert any("autocast_policy='cpu'" in note for note in cpu.notes)
     with pytest.raises(ValueError, match="unknown autocast_policy 'gpu'"):
         estimate(build, make, batch_size=2, precision="bf16", autocast_policy="gpu")
+
+
+def test_what_a_policy_registers_is_worked_out_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nbmem.autocast_policy as policy
+
+    asked = []
+    monkeypatch.setattr(policy, "registered_ops", lambda key: asked.append(key) or set())
+    policy._registrations.cache_clear()
+    try:
+        for _ in range(2):
+            with CudaAutocastPolicy():
+                assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::layer_norm", "AutocastCPU")
+        assert asked == ["AutocastCPU"]  # about 20 ms of dispatcher queries, once
+    finally:
+        policy._registrations.cache_clear()  # the next policy asks the real dispatcher again

@@ -325,3 +325,16 @@ def test_the_carried_tracker_sees_each_op_once_and_survives_a_failing_op():
         kept = matrix @ matrix.t()
         assert tracker.allocated() - before == 512  # 8 x 8 x 4 B, rounded to CUDA's 512 B: still counted
     del kept
+
+
+def test_device_queries_are_not_reported_to_the_carried_tracker():
+    """A real tensor answers ``.device`` in C++, so a tracked run's mode never sees the query: nor does an estimate's tracker."""
+    mode, tracker = carrying_mode()
+    with mode, tracker:
+        matrix = torch.empty(8, 16)
+        before = tracker._op_index
+        assert torch.ops.prim.device.default(matrix) == torch.device("cpu")
+        assert tracker._op_index == before
+        matrix.t()
+        assert tracker._op_index == before + 1  # every other op is
+
