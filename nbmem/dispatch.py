@@ -30,6 +30,7 @@ _Tensor = torch.Tensor
 # torch.tensor(data) builds its tensor outside the dispatcher and then hands it
 # to lift_fresh: the storage is new although it is also the op's input.
 _FRESH = {torch.ops.aten.lift_fresh.default}
+_DEVICE = torch.ops.prim.device.default
 
 try:
     from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
@@ -67,6 +68,8 @@ class TrackingMode(TorchDispatchMode):
         # nbmem's frames stay out of tracebacks: a virtual out-of-memory error
         # should read like CUDA's, ending at the user's op
         __tracebackhide__ = True
+        if func is _DEVICE:  # a fake tensor's or a DTensor's device query: a real tensor answers it in C++
+            return func(*args, **kwargs) if kwargs else func(*args)
         tracker = self.tracker
         before_op(tracker, func, args, kwargs)
         out = func(*args, **kwargs) if kwargs else func(*args)

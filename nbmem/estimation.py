@@ -358,6 +358,7 @@ def estimate(
         from .allocator import CachingAllocatorSimulation
 
         tracker = Tracker("cpu")
+        tracker.fake = fake_mode is not None
         tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False)
         # a launched rank (gloo on the CPU): gloo's own flat copies, made in its worker threads, are not
         # counted; NCCL, which a GPU run uses, works on FSDP's buffers in place

@@ -26,15 +26,15 @@ import collections
 import functools
 import heapq
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .counters import PeakScopes
 from .dispatch import TrackingMode
-from .records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _parts, _virtual_device_is_full, _wraps,
-                      rebuild_counters)
+from .records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _device_test, _parts, _PLAIN,
+                      _virtual_device_is_full, _wraps, rebuild_counters)
 from .installed import remove_dispatch_modes, remove_every_tracker, remove_last, unwatch_resizes, watch_resizes
 from .live import walk
 from .results import CATEGORIES
@@ -44,7 +44,6 @@ __all__ = ["Tracker", "default_tracker", "remove_every_tracker", "CATEGORIES", "
 
 _Tensor = torch.Tensor
 _RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 class Tracker:
@@ -86,6 +85,8 @@ class Tracker:
         #: (a communication backend's worker thread). A launched rank, whose
         #: whole step is tracked, counts only what it saw made (see nbmem.launch).
         self.adopt_unseen = True
+        #: Count fake tensors (an estimate's tracker); a tracker of real memory ignores them.
+        self.fake = False
         #: Whether a scope's baseline is every storage alive on the device (a
         #: default tracker: as a GPU counts, issue 12) or only what its ops touch
         #: (a tracker of one's own: a fresh device, as estimates use).
@@ -468,6 +469,8 @@ class Tracker:
                 return
         if not self._on_device(tensor):
             return
+        if storage is not None and not self.fake and storage.device.type == "meta":
+            return  # a fake tensor (an estimate's inside a tracked cell): it says "cpu", its storage holds nothing
         if storage is None or (type(tensor) not in _PLAIN and _wraps(type(tensor))):
             # A sparse tensor has no storage of its own: its memory is that of
             # its index and value tensors; a DTensor's own storage is a
@@ -587,16 +590,6 @@ class Tracker:
                 module=self.current_module(),
             )
             _virtual_device_is_full(self.last_oom)
-
-
-def _device_test(device: torch.device) -> Callable[[torch.Tensor], bool]:
-    if device.type == "cpu":
-        # is_cpu is the fastest test on a plain tensor; on a FakeTensor it is a
-        # dispatched op (prim.device, about 4 us) where .device is a property
-        return lambda tensor: tensor.is_cpu if type(tensor) in _PLAIN else tensor.device.type == "cpu"
-    index = device.index
-    kind = device.type
-    return lambda tensor: tensor.device.type == kind and tensor.get_device() == index
 
 
 @functools.cache

@@ -295,6 +295,7 @@ def carrying_mode():
     mode = FastKeyFakeTensorMode()
     tracker = Tracker("cpu")
     tracker.host = mode
+    tracker.fake = True  # counts fake tensors
     return mode, tracker
 
 

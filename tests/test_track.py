@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -402,3 +403,42 @@ def test_an_estimate_between_two_cells_leaves_the_next_baseline_whole():
     with nbmem.track("cpu") as scope:
         del held
     assert scope.result.retained == -8 * MiB
+
+
+def test_an_estimate_inside_a_tracked_scope_adds_none_of_its_fake_bytes():
+    """A tracked cell that estimates (a 5 MiB step on fake tensors) counts only the real tensors it made."""
+    from torch import nn
+
+    build = lambda: nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))  # noqa: E731
+    make = lambda n: (torch.randn(n, 512), torch.randint(0, 10, (n,)))  # noqa: E731
+    with nbmem.track("cpu") as scope:
+        estimated = nbmem.estimate(build, make, batch_size=64)
+        kept = torch.ones(1024, 256)  # 1 MiB, real
+    assert estimated.peak > 5 * 2**20  # the estimate's own tracker counts its fake tensors
+    assert scope.result.peak_allocated - scope.result.allocated_before == 2**20
+    assert scope.result.retained == 2**20
+    del kept
+
+
+def test_device_queries_are_numbered_by_no_tracker():
+    """A tracker's own mode above a fake mode (a parallel estimate's) numbers the same ops as one the fake mode
+    carries: neither numbers device queries, which a tracked run never sees (a real tensor answers them in C++)."""
+    from nbmem.fakemode import FastKeyFakeTensorMode
+
+    def step():
+        weight = torch.randn(64, 64, requires_grad=True)
+        (torch.randn(8, 64) @ weight).relu().sum().backward()
+
+    def ops(carried, fake=True):
+        tracker = Tracker("cpu")
+        tracker.fake = fake
+        mode = FastKeyFakeTensorMode() if fake else None
+        if carried:
+            tracker.host = mode
+        with mode if fake else contextlib.nullcontext(), tracker:
+            step()
+        return tracker.op_count, tracker.peak_allocated()
+
+    carried, above = ops(carried=True), ops(carried=False)
+    assert carried == above  # 15 ops each (34 if device queries were numbered), the same peak
+    assert carried[1] == ops(carried=False, fake=False)[1] == 37888  # and a real run's peak
