@@ -143,7 +143,6 @@ def unload_ipython_extension(ipython: Any) -> None:
         %unload_ext nbmem
         %reload_ext nbmem
     """
-    from . import interrupts
     from .magics import unload
     from .tracking import remove_every_tracker
 
@@ -151,4 +150,3 @@ def unload_ipython_extension(ipython: Any) -> None:
         unload(ipython)
     finally:
         remove_every_tracker()  # even one a Ctrl-C cut off from its scope's stop() (issue 12)
-        interrupts.reset()  # SIGINT's own handler again, whatever scope was left open

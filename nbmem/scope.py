@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import torch
 
-from . import interrupts
 from .counters import CudaCounter, OpenScope, cuda_counter
 from .results import CATEGORIES, Breakdown, MemoryResult
 from .units import format_bytes
@@ -162,7 +161,6 @@ class MemoryScope:
         tracker, counter = self._tracker, self._counter
         open_before = (len(counter.scopes), len(tracker.scopes) if tracker is not None else 0)
         try:
-            interrupts.opened(self)  # from here, a Ctrl-C on the way out waits for the scope to close
             if tracker is not None:
                 was_active = tracker.active
                 tracker.activate(self)
@@ -189,7 +187,6 @@ class MemoryScope:
             self._close_tracking(open_before)
             if tracker is not None:
                 tracker.reconcile()  # adopt_live may have been cut short half-way through a storage
-            interrupts.closed(self, raise_held=False)
             raise
 
     def _close_tracking(self, open_before: tuple[int, int] | None = None) -> None:
@@ -219,17 +216,13 @@ class MemoryScope:
         self._close_tracking()
         self._scope = self._tracker_scope = None
 
-    @interrupts.on_the_way_out
     def stop(self, error: BaseException | type[BaseException] | None = None) -> MemoryResult:
         """End the scope and build its result; ``error`` marks it failed.
 
-        Whatever bytecode Ctrl-C lands on, the tracker is left inactive and
-        every counter's scope closed, and the interrupt goes on: in the main
-        thread it is held until then (:mod:`nbmem.interrupts`: Python takes a
-        signal on a function's entry, before any ``try`` could catch it);
-        elsewhere, the ``except`` below finishes what it cut short.
+        Whatever bytecode Ctrl-C lands on after the first line, the tracker is
+        left inactive and every counter's scope closed, and the interrupt goes on.
         """
-        try:
+        try:  # first: only an interrupt on this very line (a function's entry) can't be caught here
             scope, tracker_scope = self._scope, self._tracker_scope
             if scope is None:
                 raise RuntimeError("this MemoryScope is not running: call start() first")
@@ -250,7 +243,6 @@ class MemoryScope:
             if tracker is not None and error is not None:
                 tracker.reconcile()  # an interrupt in the accounting may have cut an update short
             self.result = self._result(scope, tracker_scope, seconds, error, unseen)
-            interrupts.closed(self)  # a Ctrl-C held on the way out goes on from here
             return self.result
         except BaseException:
             # Ctrl-C in here: finish what it cut short (each step is idempotent), then let it through
@@ -258,7 +250,6 @@ class MemoryScope:
                 self._close_scopes(self._scope, self._tracker_scope)
             if self._tracker is not None:
                 self._tracker.reconcile()
-            interrupts.closed(self, raise_held=False)
             raise
 
     def _result(
@@ -321,7 +312,6 @@ class MemoryScope:
     def __enter__(self) -> "MemoryScope":
         return self.start()
 
-    @interrupts.on_the_way_out
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         self.stop(exc_type)
 

@@ -30,7 +30,6 @@ from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import nbmem
-from nbmem.scope import MemoryScope
 from nbmem.tracking import default_tracker
 
 MiB = 1024**2
@@ -137,10 +136,6 @@ def run_cell(kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer
         del scratch
 
 
-#: The two ways a user's code leaves a scope: a with statement's __exit__, and stop().
-SCOPE_EXITS = {MemoryScope.__exit__.__code__, MemoryScope.stop.__code__}
-
-
 class _Interrupter:
     """A trace function that raises KeyboardInterrupt at the ``target``-th line event inside nbmem."""
 
@@ -151,19 +146,6 @@ class _Interrupter:
     def __call__(self, frame: Any, event: str, arg: Any) -> Callable[..., Any] | None:
         if not frame.f_code.co_filename.startswith(NBMEM):
             return None
-        if frame.f_code in SCOPE_EXITS:
-            # its first line is left out: raised there, before any of its code runs, nothing in nbmem can
-            # catch it; a real Ctrl-C there is held (test_a_real_ctrl_c_on_the_entry_...)
-            entered = [False]
-
-            def after_the_first(frame: Any, event: str, arg: Any) -> Callable[..., Any] | None:
-                if event == "line" and not entered[0]:
-                    entered[0] = True
-                    return after_the_first
-                self._line(frame, event, arg)
-                return after_the_first
-
-            return after_the_first
         return self._line
 
     def _line(self, frame: Any, event: str, arg: Any) -> Callable[..., Any] | None:
@@ -305,9 +287,8 @@ def test_an_interrupt_at_every_line_of_the_install_and_remove_paths(training):
     lines = _lines_run(cell, lambda code: code.co_filename.startswith(NBMEM) and code.co_name in INSTALL_REMOVE)
     # A function's first line runs before any of its own code can catch what it raises. Inside
     # nbmem the caller's handler does; for the two entries a user's code calls to close a scope
-    # (stop, and __exit__ for a with statement) nothing in nbmem can: they are left out. A real
-    # Ctrl-C there is held until the scope is closed (test_a_real_ctrl_c_on_the_entry_...); one
-    # raised otherwise (a trace function, as here) is what %unload_ext nbmem cleans up after.
+    # (stop, and __exit__ for a with statement) nothing in nbmem can: they are left out, and
+    # %unload_ext nbmem removes what such an interrupt leaves (test_unload_ext_...).
     for entry in ("stop", "__exit__"):
         lines.remove((entry, min(number for name, number in lines if name == entry)))
     assert len(lines) > 100
@@ -393,59 +374,3 @@ def test_an_interrupt_at_every_line_of_a_watched_cell_leaves_no_gauge_thread(she
         assert leftovers(model) == [], f"after an interrupt at {where}"
         assert gauge_threads() == [], f"a gauge thread alive after an interrupt at {where}"
     assert_next_cell_exact()
-
-
-@pytest.mark.parametrize("entry", ["__exit__", "stop"])
-def test_a_real_ctrl_c_on_the_entry_of_a_scopes_way_out_is_held_until_the_scope_closed(entry, training):
-    """Python takes a pending signal on entering a function, before its try: there it left the tracker installed."""
-    model, optimizer, batch = training
-    code = getattr(MemoryScope, entry).__code__
-    armed = [True]
-
-    def deliver(frame: Any, event: str, arg: Any) -> None:
-        if event == "call" and armed[0] and frame.f_code is code:
-            armed[0] = False
-            signal.raise_signal(signal.SIGINT)  # taken before the entered function's first line runs
-        return None
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            with nbmem.measure("cpu", backend="tracked", breakdown=True):
-                model(batch).sum().backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                sys.settrace(deliver)
-        sys.settrace(None)
-        assert not armed[0]  # delivered, on the way out
-        assert leftovers(model) == []
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
-    finally:
-        sys.settrace(None)
-        signal.signal(signal.SIGINT, previous)
-    assert_consistent(default_tracker("cpu"))
-    assert_next_cell_exact()
-
-
-def test_sigint_goes_through_nbmem_only_while_a_scope_is_open_and_only_from_pythons_default():
-    from nbmem import interrupts
-
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        with nbmem.track("cpu"):
-            assert signal.getsignal(signal.SIGINT) is interrupts._interrupted
-            with nbmem.track("cpu"):
-                pass
-            assert signal.getsignal(signal.SIGINT) is interrupts._interrupted  # the outer scope is still open
-            with pytest.raises(KeyboardInterrupt):
-                signal.raise_signal(signal.SIGINT)  # inside the block: at once, as Python's own handler
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-        def mine(number: int, frame: Any) -> None:
-            pass
-
-        signal.signal(signal.SIGINT, mine)
-        with nbmem.track("cpu"):
-            assert signal.getsignal(signal.SIGINT) is mine  # the user's own handler is left alone
-    finally:
-        signal.signal(signal.SIGINT, previous)
