@@ -396,8 +396,9 @@ class GpuMemMagics(Magics):
 
     def pre_run_cell(self, info: Any) -> None:
         session = self.session
-        if session.pending is not None:  # a previous post_run_cell never came
-            session.pending.stop()
+        if session.pending is not None:  # a previous post_run_cell never came, or was interrupted
+            if session.pending.running:
+                session.pending.stop()
             session.pending = None
         _stopped(session.pending_gauge)
         session.pending_gauge = None
@@ -423,7 +424,7 @@ class GpuMemMagics(Magics):
 
     def post_run_cell(self, result: Any) -> None:
         session = self.session
-        scope, session.pending = session.pending, None
+        scope = session.pending  # cleared once stopped: a Ctrl-C on stop()'s entry leaves it to the next cell
         gauge, session.pending_gauge = session.pending_gauge, None
         session.cell_number = None
         if scope is None:
@@ -433,6 +434,7 @@ class GpuMemMagics(Magics):
         if result is not None:
             error = result.error_in_exec or result.error_before_exec
         measured = scope.stop(error)
+        session.pending = None
         in_place = _stopped(gauge)  # after the scope: the join is not in the cell's time
         if session.every_cell is None and session.log_path is None:
             if in_place is not None:
@@ -481,7 +483,8 @@ def unload(shell: Any) -> None:
     if magics.session.frontend is not None:
         magics.session.frontend.close()
     if magics.session.pending is not None:
-        magics.session.pending.stop()
+        if magics.session.pending.running:
+            magics.session.pending.stop()
         magics.session.pending = None
     for kind in ("line", "cell"):
         if shell.magics_manager.magics[kind].get("gpumem") == getattr(magics, "gpumem"):

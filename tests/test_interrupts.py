@@ -30,6 +30,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import nbmem
+from nbmem.scope import MemoryScope
 from nbmem.tracking import default_tracker
 
 MiB = 1024**2
@@ -127,13 +128,22 @@ CELLS = {
 }
 
 
-def run_cell(kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> None:
-    with nbmem.measure("cpu", backend="tracked", **CELLS[kind]):
+def run_cell(
+    kind: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, scopes: list | None = None
+) -> None:
+    scope = nbmem.measure("cpu", backend="tracked", **CELLS[kind])
+    if scopes is not None:
+        scopes.append(scope)
+    with scope:
         model(batch).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
         scratch = torch.ones(128, 1024)
         del scratch
+
+
+#: The two ways a user's code leaves a scope: a with statement's __exit__, and stop().
+SCOPE_EXITS = {MemoryScope.__exit__.__code__, MemoryScope.stop.__code__}
 
 
 class _Interrupter:
@@ -146,6 +156,19 @@ class _Interrupter:
     def __call__(self, frame: Any, event: str, arg: Any) -> Callable[..., Any] | None:
         if not frame.f_code.co_filename.startswith(NBMEM):
             return None
+        if frame.f_code in SCOPE_EXITS:
+            # its first line is left out: raised there, before any of its code runs, nothing in nbmem can
+            # catch it (see test_an_interrupt_at_every_line_of_the_install_and_remove_paths)
+            entered = [False]
+
+            def after_the_first(frame: Any, event: str, arg: Any) -> Callable[..., Any] | None:
+                if event == "line" and not entered[0]:
+                    entered[0] = True
+                    return after_the_first
+                self._line(frame, event, arg)
+                return after_the_first
+
+            return after_the_first
         return self._line
 
     def _line(self, frame: Any, event: str, arg: Any) -> Callable[..., Any] | None:
@@ -206,16 +229,24 @@ def test_real_sigint_at_random_moments(training):
     # the timer's handler sends a real SIGINT; Python's own handler turns it into KeyboardInterrupt
     signal.signal(signal.SIGALRM, lambda signum, frame: signal.raise_signal(signal.SIGINT))
     interrupted = 0
+    scopes: list[Any] = []
     try:
         for _ in range(40):
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 0.005))
                 for kind in ("tracked", "breakdown", "timeline"):
-                    run_cell(kind, model, optimizer, batch)
+                    run_cell(kind, model, optimizer, batch, scopes)
                 signal.setitimer(signal.ITIMER_REAL, 0)
             except KeyboardInterrupt:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 interrupted += 1
+            # A Ctrl-C taken on the entry of a with statement's __exit__ (Python looks for signals on a
+            # function's entry, before any try in it) never reaches stop(): the scope stays open, as
+            # README's Limits say, and stopping it (as %unload_ext nbmem does) removes everything.
+            for scope in scopes:
+                if scope.running:
+                    scope.stop()
+            scopes.clear()
             assert leftovers(model) == []
             assert_consistent(tracker)
     finally:
@@ -374,3 +405,30 @@ def test_an_interrupt_at_every_line_of_a_watched_cell_leaves_no_gauge_thread(she
         assert leftovers(model) == [], f"after an interrupt at {where}"
         assert gauge_threads() == [], f"a gauge thread alive after an interrupt at {where}"
     assert_next_cell_exact()
+
+
+def test_gpumem_on_stops_at_the_next_cell_a_scope_whose_stop_a_ctrl_c_cut_off(shell):
+    """``%gpumem on``: an interrupt on the entry of stop() in post_run_cell left the scope open for good."""
+    model = torch.nn.Linear(4, 4)
+    shell.user_ns.update(model=model, torch=torch)
+    shell.run_cell("%gpumem on --quiet")
+    armed = [True]
+
+    def cut_off(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and armed[0] and frame.f_code is MemoryScope.stop.__code__:
+            armed[0] = False
+            raise KeyboardInterrupt  # as a Ctrl-C taken on stop()'s entry, before its try
+        return None
+
+    sys.settrace(cut_off)
+    try:
+        shell.run_cell("model(torch.ones(1, 4)).sum().backward()")
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    assert not armed[0]
+    assert leftovers(model) != []  # the scope is still open...
+    shell.run_cell("x = 1")  # ...until the next cell begins
+    shell.run_cell("%gpumem off")
+    assert leftovers(model) == []
