@@ -3,7 +3,8 @@
 ``environment()`` gives the date, the machine, the versions and torch's
 thread count with the names and formats of the results already in
 ``results/``, so that a new run's file can be compared with theirs key for
-key. ``write_json`` writes a report where ``--json`` asked for one.
+key. ``write_json`` writes a report where ``--json`` asked for one;
+``parse_with_threads`` gives the scripts their common ``--threads`` option.
 
 The scripts are run as ``python benchmarks/bench_x.py``, which puts this
 folder on ``sys.path``: they import this module as ``_environment``.
@@ -11,6 +12,7 @@ folder on ``sys.path``: they import this module as ``_environment``.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib
 import json
@@ -40,6 +42,17 @@ def environment(*libraries: str) -> dict[str, Any]:
     report["torch_threads"] = torch.get_num_threads()
     report["nbmem"] = nbmem.__version__
     return report
+
+
+def parse_with_threads(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments, with ``--threads`` added and applied (``torch.set_num_threads``) before any timing."""
+    import torch
+
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's); 1 is steadier on a loaded machine")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
 
 
 def write_json(path: str | None, report: dict[str, Any], indent: int = 2) -> None:

@@ -35,7 +35,7 @@ import torch
 
 import nbmem
 
-from _environment import environment, write_json
+from _environment import environment, parse_with_threads, write_json
 
 
 def models() -> dict[str, tuple[Callable[[], torch.nn.Module], Callable[[int], Any], int]]:
@@ -95,10 +95,7 @@ def main() -> None:
     parser.add_argument("--memtracker-llama", action="store_true", help="also time MemTracker on the 7B config (~1.5 min)")
     parser.add_argument("--no-memtracker", action="store_true", help="time nbmem alone (e.g. to compare two nbmem versions)")
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's); 1 is steadier on a loaded machine")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_with_threads(parser)
     loads = [os.getloadavg()[0]]
     figures: dict[str, dict[str, Any]] = {}
     for name, (build, make, batch_size) in models().items():

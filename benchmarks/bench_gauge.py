@@ -36,7 +36,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import nbmem  # noqa: E402
-from _environment import environment, write_json  # noqa: E402
+from _environment import environment, parse_with_threads, write_json  # noqa: E402
 from bench_overhead import workloads  # noqa: E402  (the same workloads as the overhead benchmark)
 from nbmem.live_gauge import INTERVAL, GaugeReading, LiveGauge  # noqa: E402
 
@@ -123,11 +123,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=12, help="pairs of rounds (gauge off, on) per workload")
     parser.add_argument("--seconds", type=float, default=1.5, help="about how long one round runs")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads; 1 is steadier on a loaded machine")
     parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_with_threads(parser)
     report = {
         **environment(),
         "gauge_interval_s": INTERVAL,

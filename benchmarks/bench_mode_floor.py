@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from _environment import environment, write_json
+from _environment import environment, parse_with_threads, write_json
 from bench_overhead import training_step, workloads
 
 
@@ -76,11 +76,8 @@ def floor(rounds: int) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="bare/empty-mode pairs per workload")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_with_threads(parser)
     report = environment()
     report["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "(unset)")
     report["load_average_1min_at_start"] = os.getloadavg()[0]

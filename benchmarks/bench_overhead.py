@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nbmem
 from nbmem import counters, scope
 
-from _environment import environment, write_json
+from _environment import environment, parse_with_threads, write_json
 
 
 def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 5) -> float:
@@ -399,11 +399,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=60, help="timed steps per tool and workload, in rounds of 5 (default 60)")
     parser.add_argument("--skip-magic", action="store_true", help="time the training steps only")
-    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's); 1 is steadier on a loaded machine")
     parser.add_argument("--json", help="also write the figures to this file")
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = parse_with_threads(parser)
     load_before = os.getloadavg()[0]
     report = {
         **environment(),
