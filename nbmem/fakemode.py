@@ -125,8 +125,10 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         """
         __tracebackhide__ = True
         if func is _DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
-            # a device query (60 % of an estimate's ops, see dispatch): nothing made, and nothing a tracked run's
-            # mode sees (a real tensor answers it in C++), so not reported to the tracker either
+            # a device query: the autograd engine and the foreach optimizers ask each fake tensor (60 % of an
+            # estimate's ops). Answered as PyTorch's _device_handler answers, without the no_dispatch() it
+            # enters around a debug log line first; nothing made, and nothing a tracked run's mode sees (a
+            # real tensor answers it in C++), so not reported to the tracker either
             return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         if _get_dispatch_mode(_FAKE_KEY) is not None:
             raise AssertionError(f"FakeTensorMode should not be set when dispatching {func}")
@@ -149,11 +151,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
     def dispatch(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         """PyTorch's ``FakeTensorMode.dispatch``, with shorter paths for the commonest cases of an estimate.
 
-        ``prim.device``: the autograd engine and the foreach optimizers ask
-        each fake tensor for its device (60 % of the ops of a Llama step):
-        answered as PyTorch's ``_device_handler`` answers, without the
-        ``no_dispatch()`` context PyTorch enters around a debug log line
-        first. ``.item()`` of a constant (a tensor made by
+        (``prim.device`` never gets here: :meth:`__torch_dispatch__` answers
+        it.) ``.item()`` of a constant (a tensor made by
         ``torch.tensor(number)``): the constant's value, as PyTorch's
         constant propagation gives it. A cache hit without a ShapeEnv (an
         estimate has none): the same key and the same cached entry as
@@ -164,8 +163,6 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         bypasses, symbolic shapes, debug logging,
         cross-checking) goes to PyTorch's own method.
         """
-        if func is _DEVICE and len(args) == 1 and type(args[0]) is FakeTensor:
-            return torch.device("meta") if args[0].fake_mode.in_kernel_invocation else args[0].fake_device
         if (
             func is _SCALAR and len(args) == 1 and not kwargs and type(args[0]) is FakeTensor
             and args[0].fake_mode is self and args[0].constant is not None
