@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
 from torch import nn
@@ -150,6 +152,9 @@ def test_virtual_capacity_raises_out_of_memory_in_pytorchs_words():
     assert tracker.capacity is None  # restored after the scope
     assert (tracker.last_oom.request, tracker.last_oom.allocated) == (4 * MiB, 8 * MiB)
     del first, second
+    # the traceback's frames hold the refused 4 MiB tensor in a reference cycle (a frame's locals hold
+    # the traceback): free it now, not at whichever later test's cell the garbage collector runs in
+    traceback.clear_frames(caught.tb)
 
 
 def test_capacity_presets_and_bad_capacities():
