@@ -40,7 +40,7 @@ class Accounts(Protocol):
 
     def classify(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None: ...
 
-    def record_of(self, tensor: torch.Tensor) -> Any: ...
+    def module_of(self, tensor: torch.Tensor) -> str | None: ...
 
 __all__ = ["Attribution", "top_level", "BACKWARD", "global_hooks", "remove_global_hooks", "saved_tensors_hooks_installed"]
 
@@ -118,6 +118,9 @@ class Attribution:
         self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
         self._stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers inside step()
         self._saved = False  # set before pushing the saved-tensors hooks, for the same reason
+        #: Told the top-level module running after each module call begins or ends
+        #: (the native engine labels allocations with it in C++); None: nobody asks.
+        self.module_changed: Any = None
 
     # -- install / remove ----------------------------------------------------
 
@@ -178,6 +181,8 @@ class Attribution:
         owner = top_level(name)
         outermost = not self._running
         self._running.append(owner)
+        if self.module_changed is not None:
+            self.module_changed(owner)
         if outermost:
             # The whole tree, once per outermost call: some parameters are used
             # without their module ever being called (MultiheadAttention's
@@ -216,6 +221,8 @@ class Attribution:
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._running:
             self._running.pop()
+        if self.module_changed is not None:
+            self.module_changed(self.current_module())
 
     def _on_parameter(self, module: torch.nn.Module, name: str, parameter: Any) -> Any:
         if parameter is not None:
@@ -228,8 +235,7 @@ class Attribution:
         return None
 
     def _owner(self, parameter: torch.Tensor) -> str | None:
-        record = self.tracker.record_of(parameter)
-        return None if record is None else record.module
+        return self.tracker.module_of(parameter)
 
     def _on_grad(self, parameter: torch.Tensor) -> None:
         # a hook an interrupted removal left on a parameter does nothing

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import (
     _push_mode,
 )
 
-__all__ = ["remove_every_tracker", "remove_last", "dispatch_modes", "remove_dispatch_modes", "watch_resizes", "unwatch_resizes", "resizes_watched_by"]
+__all__ = ["Activation", "note_native", "forget_native", "remove_every_tracker", "remove_last", "dispatch_modes", "remove_dispatch_modes", "watch_resizes", "unwatch_resizes", "resizes_watched_by"]
 
 
 def dispatch_modes(belongs: Callable[[TorchDispatchMode], bool]) -> list[TorchDispatchMode]:
@@ -116,11 +116,94 @@ def remove_last(holders: list[object], owner: object) -> None:
             return
 
 
+class Activation:
+    """Activation that survives Ctrl-C, for a tracker with ``_holders``, ``_install()`` and ``_uninstall()``.
+
+    ``_uninstall`` must look at torch's own state and be safe to repeat; then
+    an interrupt at any bytecode of :meth:`activate` or :meth:`deactivate`
+    leaves everything installed for the holders there are, or nothing.
+    """
+
+    _holders: list[object]
+
+    def _install(self) -> None:
+        raise NotImplementedError
+
+    def _uninstall(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def active(self) -> bool:
+        return bool(self._holders)
+
+    def activate(self, owner: object = None) -> None:
+        """Install the tracker's engine and attribution hooks on this thread (nested calls just count).
+
+        All or nothing: an interrupt at any bytecode leaves the tracker either
+        activated once more for ``owner`` or exactly as it was.
+        """
+        holders = self._holders
+        count = len(holders)
+        try:
+            if not holders:
+                self._uninstall()  # what two quick Ctrl-Cs may have left of an earlier activation
+                self._install()
+            holders.append(owner)
+        except BaseException:
+            del holders[count:]
+            if not holders:
+                self._uninstall()
+            raise
+
+    def deactivate(self, owner: object = None) -> None:
+        """Undo ``owner``'s :meth:`activate`; the last one removes the engine and every hook.
+
+        Idempotent for an owner (a second call finds nothing of it), and all or
+        nothing under an interrupt. With nothing active it still removes
+        anything an interrupted activation left behind.
+        """
+        holders = self._holders
+        count = len(holders)
+        try:
+            remove_last(holders, owner)
+            if not holders:
+                self._uninstall()
+        except BaseException:
+            if len(holders) == count:
+                remove_last(holders, owner)
+            if not holders:
+                self._uninstall()
+            raise
+
+    def __enter__(self) -> Any:
+        self.activate()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.deactivate()
+
+
+#: Trackers whose engine lives outside Python's tables (the native engine's
+#: allocator reporter, on a thread's debug info): noted before it goes in.
+_NATIVE: list[Any] = []
+
+
+def note_native(tracker: Any) -> None:
+    if tracker not in _NATIVE:
+        _NATIVE.append(tracker)
+
+
+def forget_native(tracker: Any) -> None:
+    while tracker in _NATIVE:
+        _NATIVE.remove(tracker)
+
+
 def remove_every_tracker() -> int:
     """Take every tracker out of torch, whoever still holds it: ``%unload_ext nbmem``'s last step.
 
     Trackers are found in torch's own state (the dispatch mode stack, the
-    global hook tables, the ``resize_`` watchers), so a scope that Ctrl-C cut
+    global hook tables, the ``resize_`` watchers) and among the native
+    engine's trackers noted before their reporter went in, so a scope that Ctrl-C cut
     off from its ``stop()`` can't keep hooks on every model for the rest of
     the session (issue 12). Returns how many trackers were still installed.
 
@@ -135,7 +218,7 @@ def remove_every_tracker() -> int:
             found[id(mode.tracker)] = mode.tracker  # type: ignore[attr-defined]
     for hook in global_hooks():
         found[id(hook.__self__.tracker)] = hook.__self__.tracker
-    for tracker in list(_RESIZE_WATCHERS):
+    for tracker in list(_RESIZE_WATCHERS) + list(_NATIVE):
         found[id(tracker)] = tracker
     for tracker in found.values():
         tracker._holders.clear()

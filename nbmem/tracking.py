@@ -35,7 +35,7 @@ from .counters import PeakScopes
 from .dispatch import TrackingMode
 from .records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _device_test, _parts, _PLAIN,
                       _virtual_device_is_full, _wraps, rebuild_counters)
-from .installed import remove_dispatch_modes, remove_every_tracker, remove_last, unwatch_resizes, watch_resizes
+from .installed import Activation, remove_dispatch_modes, remove_every_tracker, unwatch_resizes, watch_resizes
 from .live import walk
 from .results import CATEGORIES
 from .units import CUDA_BLOCK, round_allocation
@@ -46,7 +46,7 @@ _Tensor = torch.Tensor
 _RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
 
 
-class Tracker:
+class Tracker(Activation):
     """Live bytes of the tensor storages on one device, with a running peak.
 
     A tracker is a peak counter (see :mod:`nbmem.counters`): scopes opened on
@@ -216,50 +216,12 @@ class Tracker:
         key = self.storage_key(tensor)
         return None if key is None else self._storages[key]
 
+    def module_of(self, tensor: torch.Tensor) -> str | None:
+        """The module ``tensor``'s storage belongs to (None: outside modules, or not tracked)."""
+        record = self.record_of(tensor)
+        return None if record is None else record.module
+
     # -- activation ---------------------------------------------------------
-
-    @property
-    def active(self) -> bool:
-        return bool(self._holders)
-
-    def activate(self, owner: object = None) -> None:
-        """Install the dispatch mode and attribution hooks on this thread (nested calls just count).
-
-        All or nothing: an interrupt at any bytecode leaves the tracker either
-        activated once more for ``owner`` or exactly as it was.
-        """
-        holders = self._holders
-        count = len(holders)
-        try:
-            if not holders:
-                self._uninstall()  # what two quick Ctrl-Cs may have left of an earlier activation
-                self._install()
-            holders.append(owner)
-        except BaseException:
-            del holders[count:]
-            if not holders:
-                self._uninstall()
-            raise
-
-    def deactivate(self, owner: object = None) -> None:
-        """Undo ``owner``'s :meth:`activate`; the last one removes the dispatch mode and every hook.
-
-        Idempotent for an owner (a second call finds nothing of it), and all or
-        nothing under an interrupt. With nothing active it still removes
-        anything an interrupted activation left behind.
-        """
-        holders = self._holders
-        count = len(holders)
-        try:
-            remove_last(holders, owner)
-            if not holders:
-                self._uninstall()
-        except BaseException:
-            if len(holders) == count:
-                remove_last(holders, owner)
-            if not holders:
-                self._uninstall()
-            raise
 
     def _install(self) -> None:
         from .categories import Attribution
@@ -292,13 +254,6 @@ class Tracker:
 
     def _owns(self, mode: TorchDispatchMode) -> bool:
         return isinstance(mode, TrackingMode) and mode.tracker is self
-
-    def __enter__(self) -> "Tracker":
-        self.activate()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.deactivate()
 
     # -- the baseline and repairs --------------------------------------------
 

@@ -1,0 +1,323 @@
+"""Tracked mode's native engine: the CPU allocator's reports, accounted in C++ (issue 12's overhead).
+
+The default engine (:mod:`nbmem.tracking`) sees every ATen op through a Python
+dispatch mode; PyTorch charges any such mode 1.05-1.13x on small training steps
+before it does anything (``benchmarks/bench_mode_floor.py``). The native engine
+takes no trip into Python per op: c10's CPU allocator reports each allocation
+and free to a small C++ reporter (``nbmem/_native/allocations.cpp``, built once
+by :mod:`nbmem.native`), which keeps the live blocks, bytes by category and
+module, the running peak and the breakdown at it. Python still classifies from
+the same hooks (:class:`nbmem.categories.Attribution`: parameters, gradients,
+optimizer state, saved activations) and names the module running.
+
+What it counts differs from the default engine, and results say so:
+
+- allocations, not storages: a kernel's own scratch (an im2col buffer) is
+  counted while it lives, as the GPU counts cuDNN's workspace; the op at the
+  peak is not known (no op is seen), the module is;
+- the baseline is the storages alive when the outermost scope opens, found by
+  walking Python's objects (as the default engine does); one held only by C++
+  (what autograd saved in an earlier block) is counted when it is freed, if the
+  allocator reported its birth to nbmem (made inside a tracked block);
+- a ``torch.profiler`` can't start inside a native block ("Profiler is already
+  enabled on this thread": the allocator reports to one reporter per thread),
+  and a native block can't start while a profiler runs (it says so);
+- no virtual capacity and no timeline: those need every op (``engine="dispatch"``).
+
+>>> import torch
+>>> tracker = native_tracker()                        # doctest: +SKIP
+>>> with tracker:                                    # doctest: +SKIP
+...     kept = torch.ones(1024, 1024)                # 1024 * 1024 * 4 bytes = 4 MiB
+>>> tracker.by_category()["other"] >= 4 << 20        # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from typing import Any
+
+import torch
+
+from .categories import BACKWARD, Attribution, remove_global_hooks
+from .counters import PeakScopes
+from .installed import Activation, forget_native, note_native
+from .live import walk
+from .native import NativeUnavailable, library
+from .records import PeakDetail, StorageRecord, _device_test, _parts, _PLAIN, _wraps
+from .results import CATEGORIES
+from .units import CUDA_BLOCK
+
+__all__ = ["NativeTracker", "native_tracker", "NativeUnavailable"]
+
+_RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
+_NO_MODULE, _BACKWARD, _KEEP = -1, -2, -(2**31)  # the ids allocations.cpp uses
+_FIGURES = 7
+
+
+class NativeTracker(Activation):
+    """Live bytes of the CPU allocator's blocks, with a running peak and its breakdown, counted in C++.
+
+    The same protocol as :class:`nbmem.tracking.Tracker` for what scopes,
+    attribution and the walk of live tensors ask of a tracker; each activation
+    from nothing starts the accounts afresh from a walk of the live tensors.
+    """
+
+    whole_device = True
+    adopt_unseen = True
+    fake = False
+    capacity: int | None = None
+    capacity_label = ""
+    last_oom = None
+
+    def __init__(self, *, block: int = CUDA_BLOCK) -> None:
+        self.device = torch.device("cpu")
+        self.block = block
+        self._lib = library()  # raises NativeUnavailable saying why, before anything is installed
+        self._on_device = _device_test(self.device)
+        self._holders: list[object] = []
+        self._attribution: Attribution | None = None
+        self._refused: dict[int, Any] = {}  # nothing is refused: no virtual capacity here
+        self._walked: tuple[int, int] | None = None
+        # weak references to the storages adopted from the walk, by address: their callbacks
+        # (C functions: no Python runs in them, so Ctrl-C can't be swallowed there) free the block
+        self._watched: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._module_ids: dict[str | None, int] = {None: _NO_MODULE, BACKWARD: _BACKWARD}
+        self._module_names: dict[int, str | None] = {_NO_MODULE: None, _BACKWARD: BACKWARD}
+        self._adopted_told = 0  # adopted bytes already passed to the open scopes
+        self._figures = (ctypes.c_int64 * _FIGURES)()
+        self._row = (ctypes.c_int64 * 4)()  # one block's (size, category, module, born)
+        self.scopes = PeakScopes(self)
+
+    # -- installing --------------------------------------------------------
+
+    def _install(self) -> None:
+        lib = self._lib
+        lib.nbmem_reset(self.block)  # afresh: the walk that follows finds what is alive
+        self._adopted_told = 0
+        self._walked = None
+        self._watched.clear()
+        self._attribution = Attribution(self)
+        self._attribution.module_changed = self._module_changed
+        self._attribution.install()
+        note_native(self)
+        refused = lib.nbmem_install()
+        if refused == 2:
+            raise NativeUnavailable(
+                "a torch profiler is running on this thread, and the CPU allocator reports to one of them at a "
+                "time: stop the profiler, or use engine='dispatch'"
+            )
+
+    def _uninstall(self) -> None:
+        """Remove the reporter and every hook, looking at torch's own state; safe to repeat."""
+        self._lib.nbmem_uninstall()
+        if self._attribution is not None:
+            self._attribution.remove()
+        remove_global_hooks(self)
+        self._attribution = None
+        self._lib.nbmem_set_module(_NO_MODULE)
+        forget_native(self)
+
+    def installed(self) -> bool:
+        """Whether the reporter is on this thread now."""
+        return bool(self._lib.nbmem_installed())
+
+    # -- the peak-counter protocol ----------------------------------------
+
+    def _read(self) -> ctypes.Array[ctypes.c_int64]:
+        figures = self._figures
+        self._lib.nbmem_figures(figures)
+        adopted = figures[2]
+        if adopted != self._adopted_told:  # found late, there all along: raise every open scope alike
+            self.scopes.adopt(adopted - self._adopted_told)
+            self._adopted_told = adopted
+        return figures
+
+    def allocated(self) -> int:
+        return int(self._read()[0])
+
+    def peak_allocated(self) -> int:
+        return int(self._read()[1])
+
+    def running_figures(self) -> tuple[int, int]:
+        """(allocated, peak) now, from any thread (the live gauge's timer)."""
+        figures = (ctypes.c_int64 * _FIGURES)()
+        self._lib.nbmem_figures(figures)
+        return figures[0], figures[1]
+
+    def reserved(self) -> None:
+        return None
+
+    def peak_reserved(self) -> None:
+        return None
+
+    def reset_peak(self) -> None:
+        self._lib.nbmem_reset_peak()
+
+    def peak_detail(self) -> PeakDetail:
+        figures = self._read()
+        categories, modules = self._breakdown(at_peak=True)
+        return PeakDetail(figures[5], None, self._module_names.get(figures[6]), categories, modules)
+
+    # -- what is live now ---------------------------------------------------
+
+    @property
+    def adopted(self) -> int:
+        return int(self._read()[2])
+
+    @property
+    def op_count(self) -> int:
+        """Allocator events seen (the native engine sees no ops)."""
+        return int(self._read()[3])
+
+    @property
+    def live_storages(self) -> int:
+        return int(self._read()[4])
+
+    def _breakdown(self, at_peak: bool) -> tuple[dict[str, int], dict[str | None, int]]:
+        room = len(CATEGORIES) + len(self._module_names) + 2
+        values = (ctypes.c_int64 * room)()
+        slots = self._lib.nbmem_breakdown(values, room, int(at_peak))
+        if len(CATEGORIES) + slots > room:
+            room = len(CATEGORIES) + slots
+            values = (ctypes.c_int64 * room)()
+            slots = self._lib.nbmem_breakdown(values, room, int(at_peak))
+        categories = dict(zip(CATEGORIES, values[: len(CATEGORIES)]))
+        modules: dict[str | None, int] = {}
+        for index in range(slots):
+            size = values[len(CATEGORIES) + index]
+            if size:
+                name = self._module_names.get(index - 2)
+                modules[name] = modules.get(name, 0) + size
+        return categories, modules
+
+    def by_category(self) -> dict[str, int]:
+        return self._breakdown(at_peak=False)[0]
+
+    def by_module(self) -> dict[str | None, int]:
+        return self._breakdown(at_peak=False)[1]
+
+    def largest(self, count: int = 10) -> list[tuple[int, StorageRecord]]:
+        """The ``count`` largest live blocks, as (address, record); shapes are not known to this engine."""
+        total = self.live_storages + 16
+        values = (ctypes.c_int64 * (total * 5))()
+        rows = min(self._lib.nbmem_blocks(values, total * 5), total)
+        blocks = sorted((values[index * 5: index * 5 + 5] for index in range(rows)), key=lambda row: -row[1])[:count]
+        found = []
+        for address, size, category, module, born in blocks:
+            record = StorageRecord(size, born, None, self._module_names.get(module), (), None)
+            record.category = CATEGORIES[category]
+            found.append((address, record))
+        return found
+
+    def storage_key(self, tensor: torch.Tensor) -> int | None:
+        """The address under which ``tensor``'s storage is accounted, None if it is not."""
+        address = _address(tensor)
+        return address if address and self._lib.nbmem_block(address, self._row) else None
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        address = _address(tensor)
+        row = self._row
+        if not address or not self._lib.nbmem_block(address, row):
+            return None
+        size, category, module, born = row
+        record = StorageRecord(size, born, None, self._module_names.get(module), (), None)
+        record.category = CATEGORIES[category]
+        return record
+
+    def module_of(self, tensor: torch.Tensor) -> str | None:
+        """The module ``tensor``'s block belongs to (None: outside modules, or not accounted)."""
+        address = _address(tensor)
+        if not address or not self._lib.nbmem_block(address, self._row):
+            return None
+        return self._module_names.get(self._row[2])
+
+    def current_module(self) -> str | None:
+        return self._attribution.current_module() if self._attribution is not None else None
+
+    # -- the baseline ----------------------------------------------------------
+
+    def adopt_live(self) -> int:
+        """Count every storage alive on the CPU now (a scope's baseline); returns the bytes adopted."""
+        before = self.adopted
+        walk(self, adopt=True)
+        return self.adopted - before
+
+    def count_made_unseen(self) -> int:
+        """Count live tensors made on another thread (no report reached this thread's reporter) as allocated now."""
+        before = self.allocated()
+        walk(self, adopt=False, young=True)
+        return max(self.allocated() - before, 0)
+
+    def reconcile(self) -> None:
+        """Nothing to mend: each change to the accounts is one C call, whole or not at all."""
+
+    def settle(self) -> None:
+        if self._attribution is not None:
+            self._attribution.settle()
+
+    def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
+        """A tensor found alive by the walk: its block adopted (or counted as made now), its death watched."""
+        if type(tensor) not in _PLAIN and _wraps(type(tensor)) or tensor.layout is not torch.strided:
+            for part in _parts(tensor):
+                self._count(part, adopt)
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if not storage.resizable() or storage.device.type != "cpu":
+            return  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
+        address, nbytes = storage.data_ptr(), storage.nbytes()
+        if not address or not nbytes:
+            return
+        if self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1):
+            known = self._watched.get(address)
+            if known is None or known() is not storage:
+                self._watched[address] = weakref.ref(storage, functools.partial(self._lib.nbmem_release, address))
+
+    # -- categories -----------------------------------------------------------
+
+    def classify(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None:
+        """Say what ``tensor``'s block is for (and which module owns it); only ever more specific."""
+        if type(tensor) not in _PLAIN:
+            if _wraps(type(tensor)):  # a DTensor: what its local shard is for
+                for part in _parts(tensor):
+                    self.classify(part, category, module)
+                return
+            if not self._on_device(tensor):
+                return
+        elif not tensor.is_cpu:
+            return
+        address = _address(tensor)
+        if not address:
+            return
+        module_id = _KEEP if module is None else self._module_id(module)
+        if not self._lib.nbmem_classify(address, _RANK[category], module_id):
+            self._count(tensor, adopt=True)  # made before tracking saw it, held only by C++ until now
+            self._lib.nbmem_classify(address, _RANK[category], module_id)
+
+    def _module_id(self, name: str | None) -> int:
+        found = self._module_ids.get(name)
+        if found is None:
+            found = self._module_ids[name] = len(self._module_ids) - 2
+            self._module_names[found] = name
+        return found
+
+    def _module_changed(self, name: str | None) -> None:
+        self._lib.nbmem_set_module(self._module_id(name))
+
+
+def _address(tensor: torch.Tensor) -> int:
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+@functools.cache
+def native_tracker() -> NativeTracker:
+    """The process's one native tracker (the allocator's reports are process-wide); builds the library first."""
+    return NativeTracker()
