@@ -20,17 +20,22 @@ Run: python benchmarks/bench_overhead.py [--json results.json]
    A deliberately tiny MLP shows the worst case, where the fixed
    per-operation cost dominates.
 
+   nbmem's native engine (``engine="native"``, nbmem.native_tracking: the CPU
+   allocator's reports accounted in C++, the same attribution hooks) runs in
+   the same rounds, breakdown on, and its peak of one step is set beside the
+   allocator events' (below) and the default engine's.
+
    Two more columns show the floors of the two designs considered: an empty
    dispatch mode as nbmem's runs (unwrapped, its code marked for Dynamo to
    skip, see nbmem.dispatch), and the profiler recording allocator events
    only (no ops: a non-CPU activity on this CPU-only torch), the cheapest way
    to see every CPU allocation without Python per op.
-3. Whether those allocator events could replace the dispatch mode: one step
-   recorded both ways, the allocator's peak (each allocation rounded to 512 B
-   as nbmem rounds a storage) against nbmem's tracked peak above what it
-   adopted, and how many allocations no op returned (a kernel's own scratch,
-   wrapped scalars), which the dispatch mode never sees. They are the reason
-   the allocator-event design would not give the same bytes.
+3. The allocator's events against both engines: one step recorded each way,
+   the allocator's peak (each allocation rounded to 512 B as nbmem rounds a
+   storage) against the default engine's tracked peak above what it adopted
+   and the native engine's peak, and how many allocations no op returned (a
+   kernel's own scratch, wrapped scalars), which the dispatch mode never sees
+   and the native engine counts while they live.
 
 Timings are medians of repeated runs; the machine, versions, date and load
 average (os.getloadavg, the machine is shared) are printed with them; a
@@ -54,6 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nbmem
 from nbmem import counters, scope
+from nbmem.native_tracking import native_tracker
 
 from _environment import environment, parse_with_threads, write_json
 
@@ -272,6 +278,8 @@ def allocator_events_against_tracking(step: Callable[[], None]) -> dict[str, int
     tracker = nbmem.Tracker("cpu")
     with tracker:
         step()
+    with nbmem.track("cpu", engine="native") as native:  # a scope: its baseline is every live storage
+        step()
     with AllocatorEvents() as allocations:
         step()
     outputs = OutputStorages()
@@ -280,6 +288,7 @@ def allocator_events_against_tracking(step: Callable[[], None]) -> dict[str, int
     unseen = [nbytes for _, pointer, nbytes in seen_together.events if nbytes > 0 and pointer not in outputs.pointers]
     return {
         "tracked_peak_above_adopted": tracker.peak_allocated() - tracker.adopted,
+        "native_engine_peak": native.result.peak,
         "allocator_events_peak_rounded": allocations.peak(),
         "allocations": sum(1 for event in seen_together.events if event[2] > 0),
         "allocations_no_op_returned": len(unseen),
@@ -329,6 +338,7 @@ def training_step_slowdown(repeats: int) -> dict[str, dict[str, float]]:
             "empty_mode": EmptyMode,
             "empty_mode_skipped": EmptySkippedMode,
             "nbmem": lambda: nbmem.Tracker("cpu"),
+            "nbmem_native": native_tracker,
             "memtracker": memtracker(model, optimizer),
             "profiler": profiler,
             "allocator_events": AllocatorEvents,
@@ -369,6 +379,7 @@ COLUMNS = {  # key: heading
     "empty_mode": "empty",
     "empty_mode_skipped": "empty*",
     "nbmem": "nbmem",
+    "nbmem_native": "native",
     "memtracker": "MemTracker",
     "profiler": "profiler",
     "allocator_events": "alloc-ev",
@@ -384,11 +395,13 @@ def summary(steps: dict[str, dict]) -> str:
                 f"{row[f'bare{suffix}_ms']:>9.2f}" + "".join(f"{row[f'{key}{suffix}_slowdown']:>10.2f}x" for key in COLUMNS)
             )
     lines.append("empty: an empty dispatch mode as PyTorch wraps it; empty*: as nbmem runs its own (nbmem.dispatch);")
+    lines.append("nbmem: the default (dispatch) engine; native: engine='native' (both with the breakdown's hooks);")
     lines.append("alloc-ev: the profiler recording allocator events only. Allocator events against nbmem's tracking, one step:")
     for name, row in steps.items():
         events = row["allocator_events_against_tracking"]
         lines.append(
-            f"  {name:<48} tracked peak {events['tracked_peak_above_adopted']:>11,} B, allocator events' "
+            f"  {name:<48} tracked peak {events['tracked_peak_above_adopted']:>11,} B, native engine's "
+            f"{events['native_engine_peak']:>11,} B, allocator events' "
             f"{events['allocator_events_peak_rounded']:>11,} B; {events['allocations_no_op_returned']} of "
             f"{events['allocations']} allocations no op returned (largest {events['largest_allocation_no_op_returned']:,} B)"
         )
