@@ -40,6 +40,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .categories import BACKWARD, Attribution, remove_global_hooks
 from .counters import PeakScopes
@@ -287,10 +288,8 @@ class NativeTracker(Activation):
                 for part in _parts(tensor):
                     self.classify(part, category, module)
                 return
-            if not self._on_device(tensor):
-                return
-        elif not tensor.is_cpu:
-            return
+            if isinstance(tensor, FakeTensor) or not self._on_device(tensor):
+                return  # an estimate's, inside a tracked block: it holds no memory
         address = _address(tensor)
         if not address:
             return
@@ -311,10 +310,15 @@ class NativeTracker(Activation):
 
 
 def _address(tensor: torch.Tensor) -> int:
+    """The address of ``tensor``'s CPU storage; 0 for none (a fake tensor's, another device's, no storage)."""
+    plain = type(tensor) in _PLAIN
+    if (plain and not tensor.is_cpu) or (not plain and isinstance(tensor, FakeTensor)):
+        return 0  # a fake tensor has no data pointer (asking warns)
     try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # sparse: no storage of its own
         return 0
+    return storage.data_ptr() if plain or storage.device.type == "cpu" else 0
 
 
 @functools.cache

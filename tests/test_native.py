@@ -187,6 +187,37 @@ def test_modules_name_what_they_made():
     del out
 
 
+def test_an_estimate_inside_a_native_block_counts_nothing_and_warns_nothing():
+    import warnings
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 10))
+
+    def make_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(size, 256), torch.randint(0, 10, (size,))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "Accessing the data pointer of FakeTensor is deprecated"
+        with native(breakdown=True) as scope:
+            estimate = nbmem.estimate(build, make_batch, batch_size=8)
+            kept = torch.ones(256, 1024)  # 1 MiB, the block's only real memory
+    assert estimate.peak > 0
+    assert (scope.result.peak, scope.result.retained) == (MiB, MiB)
+    del kept
+
+
+def test_the_two_engines_nest_either_way():
+    with native() as outer:
+        with dispatch() as inner:
+            first = torch.ones(256, 1024)  # 1 MiB
+    assert (outer.result.retained, inner.result.retained) == (MiB, MiB)
+    with dispatch() as outer:
+        with native() as inner:
+            second = torch.ones(256, 1024)
+    assert (outer.result.retained, inner.result.retained) == (MiB, MiB)
+    del first, second
+
+
 def test_nested_blocks_each_keep_their_peak():
     with native() as outer:
         first = torch.ones(1024, 1024)  # 4 MiB
