@@ -21,7 +21,7 @@ Run: python benchmarks/bench_overhead.py [--json results.json]
    per-operation cost dominates.
 
    nbmem's native engine (``engine="native"``, nbmem.native_tracking: the CPU
-   allocator's reports accounted in C++, the same attribution hooks) runs in
+   allocator wrapped, its blocks counted in C++, the same attribution hooks) runs in
    the same rounds, breakdown on, and its peak of one step is set beside the
    allocator events' (below) and the default engine's.
 

@@ -165,7 +165,7 @@ class GpuMemMagics(Magics):
         "--engine",
         default="dispatch",
         help="how tracked mode sees memory: dispatch (every op, the default) or native "
-        "(the CPU allocator's reports counted in C++: no slowdown per op; no --capacity or --timeline)",
+        "(the CPU allocator's blocks counted in C++: no slowdown per op; no --capacity or --timeline)",
     )
     @output_can_be_silenced  # a trailing `;` hides the cell's value, as in any IPython cell
     @line_cell_magic
@@ -192,7 +192,7 @@ class GpuMemMagics(Magics):
         ``--device`` picks the device (``cuda:N``, ``cuda`` or ``cpu``;
         default: the current CUDA device, else the CPU) and ``--backend`` how
         to count (``auto``, ``cuda`` or ``tracked``). Tracked on the CPU,
-        ``--engine native`` counts the CPU allocator's own reports in C++
+        ``--engine native`` counts the CPU allocator's blocks in C++
         instead of seeing every op from Python: the cell runs at about its
         untracked speed (the default ``dispatch`` engine costs 1.1-1.2x); it
         builds a small library with the system's C++ compiler once, and has

@@ -1,8 +1,8 @@
 """The native engine's library: built once from ``nbmem/_native/allocations.cpp``, loaded with ctypes.
 
 Tracked mode's dispatch mode costs each op a trip into Python; the native
-engine (:mod:`nbmem.native_tracking`) accounts the CPU allocator's own reports
-in C++ instead (the source says how). It is compiled on first use against the
+engine (:mod:`nbmem.native_tracking`) counts allocations in C++ instead, by
+wrapping the CPU allocator while a block is tracked (the source says how). It is compiled on first use against the
 installed torch's headers with the system's C++ compiler (``g++``, or ``$CXX``):
 about 3 s on a 2-core machine, then cached under ``$NBMEM_CACHE`` (default
 ``~/.cache/nbmem``) by a hash of the source, the torch build and the
@@ -91,11 +91,13 @@ def _build() -> Path:
 
 @functools.cache
 def library() -> ctypes.PyDLL:
-    """The loaded library, built first if needed; raises NativeUnavailable saying why not.
+    """The loaded library, built first if needed, its accounts empty; raises NativeUnavailable saying why not.
 
     PyDLL: every call holds the GIL, so a call is one step that Ctrl-C can't cut in two.
     """
     import torch  # noqa: F401  (loads libc10 and libtorch_cpu, which the library links against)
+
+    from .units import CUDA_BLOCK
 
     try:
         lib = ctypes.PyDLL(str(_build()))
@@ -108,7 +110,7 @@ def library() -> ctypes.PyDLL:
         "nbmem_installed": ((), ctypes.c_int),
         "nbmem_reset": ((i64,), None),
         "nbmem_adopt": ((i64, i64, ctypes.c_int), i64),
-        "nbmem_release": ((i64, ctypes.py_object), None),
+        "nbmem_release": ((i64, i64, ctypes.py_object), None),
         "nbmem_classify": ((i64, i32, i32), ctypes.c_int),
         "nbmem_block": ((i64, pointer), ctypes.c_int),
         "nbmem_set_module": ((i32,), None),
@@ -121,6 +123,7 @@ def library() -> ctypes.PyDLL:
         function = getattr(lib, name)
         function.argtypes = arguments
         function.restype = result
+    lib.nbmem_reset(CUDA_BLOCK)
     return lib
 
 

@@ -1,27 +1,29 @@
-"""Tracked mode's native engine: the CPU allocator's reports, accounted in C++ (issue 12's overhead).
+"""Tracked mode's native engine: CPU allocations counted in C++ (issue 12's overhead).
 
 The default engine (:mod:`nbmem.tracking`) sees every ATen op through a Python
 dispatch mode; PyTorch charges any such mode 1.05-1.13x on small training steps
-before it does anything (``benchmarks/bench_mode_floor.py``). The native engine
-takes no trip into Python per op: c10's CPU allocator reports each allocation
-and free to a small C++ reporter (``nbmem/_native/allocations.cpp``, built once
-by :mod:`nbmem.native`), which keeps the live blocks, bytes by category and
-module, the running peak and the breakdown at it. Python still classifies from
-the same hooks (:class:`nbmem.categories.Attribution`: parameters, gradients,
-optimizer state, saved activations) and names the module running.
+before it does anything (``benchmarks/bench_mode_floor.py``), and a mode on the
+stack changes a little what PyTorch allocates (autograd accumulates gradients
+out of place when Python holds a reference). The native engine takes no trip
+into Python per op: while a block is tracked, c10's CPU allocator is wrapped by
+a small C++ one (``nbmem/_native/allocations.cpp``, built once by
+:mod:`nbmem.native`) that counts each allocation and, whenever it happens, its
+free, keeping the live blocks, bytes by category and module, the running peak
+and the breakdown at it. Python still classifies from the same hooks
+(:class:`nbmem.categories.Attribution`: parameters, gradients, optimizer state,
+saved activations) and names the module running.
 
 What it counts differs from the default engine, and results say so:
 
 - allocations, not storages: a kernel's own scratch (an im2col buffer) is
   counted while it lives, as the GPU counts cuDNN's workspace; the op at the
   peak is not known (no op is seen), the module is;
-- the baseline is the storages alive when the outermost scope opens, found by
-  walking Python's objects (as the default engine does); one held only by C++
-  (what autograd saved in an earlier block) is counted when it is freed, if the
-  allocator reported its birth to nbmem (made inside a tracked block);
-- a ``torch.profiler`` can't start inside a native block ("Profiler is already
-  enabled on this thread": the allocator reports to one reporter per thread),
-  and a native block can't start while a profiler runs (it says so);
+- every CPU allocation in the process while a block runs, on any thread (a
+  DataLoader's or a pool's too), and every free of those, wherever it happens;
+- the baseline is the storages alive when a block starts, found by walking
+  Python's objects as the default engine does; one made before tracking and
+  resized in place inside a block (``resize_``, FSDP2's parameter resizes) is
+  counted at its old size until the next block's walk finds it;
 - no virtual capacity and no timeline: those need every op (``engine="dispatch"``).
 
 >>> import torch
@@ -62,9 +64,11 @@ class NativeTracker(Activation):
     """Live bytes of the CPU allocator's blocks, with a running peak and its breakdown, counted in C++.
 
     The same protocol as :class:`nbmem.tracking.Tracker` for what scopes,
-    attribution and the walk of live tensors ask of a tracker; each activation
-    from nothing starts the accounts afresh from a walk of the live tensors.
+    attribution and the walk of live tensors ask of a tracker. There is one
+    per process (the allocator is process-wide): :func:`native_tracker`.
     """
+
+    _made = False
 
     whole_device = True
     adopt_unseen = True
@@ -73,18 +77,22 @@ class NativeTracker(Activation):
     capacity_label = ""
     last_oom = None
 
-    def __init__(self, *, block: int = CUDA_BLOCK) -> None:
+    def __init__(self) -> None:
+        if NativeTracker._made:
+            raise RuntimeError("the CPU allocator is process-wide: use nbmem.native_tracking.native_tracker()")
         self.device = torch.device("cpu")
-        self.block = block
+        self.block = CUDA_BLOCK
         self._lib = library()  # raises NativeUnavailable saying why, before anything is installed
+        NativeTracker._made = True
         self._on_device = _device_test(self.device)
         self._holders: list[object] = []
         self._attribution: Attribution | None = None
         self._refused: dict[int, Any] = {}  # nothing is refused: no virtual capacity here
         self._walked: tuple[int, int] | None = None
-        # weak references to the storages adopted from the walk, by address: their callbacks
-        # (C functions: no Python runs in them, so Ctrl-C can't be swallowed there) free the block
-        self._watched: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        # the storages adopted from a walk, by storage: (address, serial, weak reference). The
+        # references' callbacks (C functions: no Python runs in them, so Ctrl-C can't be swallowed
+        # there) free the block, that block only (its serial) if a resize moved the storage
+        self._watched: dict[int, tuple[int, int, weakref.ref[torch.UntypedStorage]]] = {}
         self._module_ids: dict[str | None, int] = {None: _NO_MODULE, BACKWARD: _BACKWARD}
         self._module_names: dict[int, str | None] = {_NO_MODULE: None, _BACKWARD: BACKWARD}
         self._adopted_told = 0  # adopted bytes already passed to the open scopes
@@ -95,34 +103,29 @@ class NativeTracker(Activation):
     # -- installing --------------------------------------------------------
 
     def _install(self) -> None:
-        lib = self._lib
-        lib.nbmem_reset(self.block)  # afresh: the walk that follows finds what is alive
-        self._adopted_told = 0
-        self._walked = None
-        self._watched.clear()
         self._attribution = Attribution(self)
         self._attribution.module_changed = self._module_changed
         self._attribution.install()
         note_native(self)
-        refused = lib.nbmem_install()
-        if refused == 2:
+        refused = self._lib.nbmem_install()
+        if refused >= 2:
             raise NativeUnavailable(
-                "a torch profiler is running on this thread, and the CPU allocator reports to one of them at a "
-                "time: stop the profiler, or use engine='dispatch'"
+                "the CPU allocator registered with PyTorch can't be wrapped"
+                + (" (another was registered since nbmem wrapped the first)" if refused == 3 else "")
+                + ": use engine='dispatch'"
             )
 
     def _uninstall(self) -> None:
-        """Remove the reporter and every hook, looking at torch's own state; safe to repeat."""
+        """Put the original allocator back and remove every hook, looking at torch's own state; safe to repeat."""
         self._lib.nbmem_uninstall()
         if self._attribution is not None:
             self._attribution.remove()
         remove_global_hooks(self)
         self._attribution = None
-        self._lib.nbmem_set_module(_NO_MODULE)
         forget_native(self)
 
     def installed(self) -> bool:
-        """Whether the reporter is on this thread now."""
+        """Whether nbmem's counting allocator is PyTorch's CPU allocator now."""
         return bool(self._lib.nbmem_installed())
 
     # -- the peak-counter protocol ----------------------------------------
@@ -130,10 +133,10 @@ class NativeTracker(Activation):
     def _read(self) -> ctypes.Array[ctypes.c_int64]:
         figures = self._figures
         self._lib.nbmem_figures(figures)
-        adopted = figures[2]
-        if adopted != self._adopted_told:  # found late, there all along: raise every open scope alike
-            self.scopes.adopt(adopted - self._adopted_told)
-            self._adopted_told = adopted
+        told, adopted = self._adopted_told, figures[2]
+        if adopted != told:  # found late, there all along: raise every open scope alike
+            self._adopted_told = adopted  # first: an interrupt in adopt() must not have it told twice
+            self.scopes.adopt(adopted - told)
         return figures
 
     def allocated(self) -> int:
@@ -241,19 +244,27 @@ class NativeTracker(Activation):
     # -- the baseline ----------------------------------------------------------
 
     def adopt_live(self) -> int:
-        """Count every storage alive on the CPU now (a scope's baseline); returns the bytes adopted."""
+        """Count every storage alive on the CPU now (a scope's baseline); returns the bytes adopted.
+
+        Blocks counted earlier stay counted between blocks (the allocator's frees and the
+        weak references' keep them right), so after the first walk only the young
+        generations are looked at while no older one was collected (see :mod:`nbmem.live`).
+        """
+        if self._walked is None:
+            self._watched = {key: known for key, known in self._watched.items() if known[2]() is not None}
         before = self.adopted
         walk(self, adopt=True)
         return self.adopted - before
 
     def count_made_unseen(self) -> int:
-        """Count live tensors made on another thread (no report reached this thread's reporter) as allocated now."""
+        """Count live tensors made where no allocation was seen (another allocator's) as allocated now."""
         before = self.allocated()
         walk(self, adopt=False, young=True)
         return max(self.allocated() - before, 0)
 
     def reconcile(self) -> None:
         """Nothing to mend: each change to the accounts is one C call, whole or not at all."""
+        self._read()
 
     def settle(self) -> None:
         if self._attribution is not None:
@@ -274,10 +285,16 @@ class NativeTracker(Activation):
         address, nbytes = storage.data_ptr(), storage.nbytes()
         if not address or not nbytes:
             return
-        if self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1):
-            known = self._watched.get(address)
-            if known is None or known() is not storage:
-                self._watched[address] = weakref.ref(storage, functools.partial(self._lib.nbmem_release, address))
+        key = storage._cdata
+        known = self._watched.get(key)
+        if known is not None and known[2]() is storage:
+            if known[0] == address:
+                return
+            self._lib.nbmem_release(known[0], known[1], None)  # resized in place since: its old block is gone
+        serial = self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1)
+        if serial:
+            release = functools.partial(self._lib.nbmem_release, address, serial)
+            self._watched[key] = (address, serial, weakref.ref(storage, release))
 
     # -- categories -----------------------------------------------------------
 
@@ -306,7 +323,8 @@ class NativeTracker(Activation):
         return found
 
     def _module_changed(self, name: str | None) -> None:
-        self._lib.nbmem_set_module(self._module_id(name))
+        # inside a backward (a checkpointed forward ran again) the allocator asks autograd itself
+        self._lib.nbmem_set_module(_NO_MODULE if name == BACKWARD else self._module_id(name))
 
 
 def _address(tensor: torch.Tensor) -> int:
@@ -323,5 +341,5 @@ def _address(tensor: torch.Tensor) -> int:
 
 @functools.cache
 def native_tracker() -> NativeTracker:
-    """The process's one native tracker (the allocator's reports are process-wide); builds the library first."""
+    """The process's one native tracker (the CPU allocator is process-wide); builds the library first."""
     return NativeTracker()

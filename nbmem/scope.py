@@ -31,7 +31,7 @@ BACKENDS = ("auto", "cuda", "tracked")
 Engine = Literal["dispatch", "native"]
 #: How tracked mode sees memory: every op through a Python dispatch mode (the
 #: default: exact storages, the op at the peak, virtual capacity, timelines), or
-#: the CPU allocator's reports accounted in C++ (nbmem.native_tracking: no trip
+#: the CPU allocator's blocks counted in C++ (nbmem.native_tracking: no trip
 #: into Python per op).
 ENGINES = ("dispatch", "native")
 
@@ -286,8 +286,8 @@ class MemoryScope:
             )
         if self.engine == "native":
             notes.append(
-                "native engine: every block the CPU allocator gave, kernels' scratch included, "
-                "accounted in C++; the op at the peak is not known"
+                "native engine: every block the CPU allocator gave while the block ran, on any thread, "
+                "kernels' scratch included, counted in C++; the op at the peak is not known"
             )
         if isinstance(counter, CudaCounter):
             name, capacity, free = counter.device_view()
@@ -400,8 +400,8 @@ def track(
 ) -> MemoryScope:
     """Track a block: every tensor storage on ``device`` is accounted, CUDA or not.
 
-    ``engine="native"`` (CPU only) accounts the CPU allocator's own reports in
-    C++ instead of seeing every op in Python: about 1.0x the untracked time
+    ``engine="native"`` (CPU only) counts the CPU allocator's blocks in C++
+    instead of seeing every op in Python: about 1.0x the untracked time
     where the default costs 1.1-1.2x (``benchmarks/bench_overhead.py``). It
     builds a small library with the system's C++ compiler on first use and has
     no virtual capacity, no timeline and no op at the peak

@@ -2,35 +2,39 @@
 //
 // A Python dispatch mode costs every op a trip into Python: 1.05-1.13x on
 // small training steps before any accounting (benchmarks/bench_mode_floor.py).
-// This library takes the allocator's own reports instead. c10's CPU allocator
-// reports every allocation and free to the innermost PROFILER_STATE debug info
-// of the thread (c10/core/CPUAllocator.cpp, ProfiledCPUMemoryReporter), as
-// torch.profiler(profile_memory=True) receives them; ThreadLocalState carries
-// it into at::parallel_for's workers and autograd's engine. The reporter here
-// is a ProfilerStateBase whose config is Disabled, so torch sees no profiler
-// running (torch.autograd.profiler's checks, record_function) while memory
-// reports still arrive (memoryProfilingEnabled() is true).
+// This library sees allocations instead. While a block is tracked, the CPU
+// allocator registered with c10 (c10::GetAllocator(kCPU), what at::empty and
+// every CPU kernel allocate through; raw_allocate too, as mkldnn's scratch
+// does) is wrapped: an allocation goes to the allocator that was there, and
+// is counted; its DataPtr keeps the allocation's own address as its context
+// (a "simple" data pointer, as c10's copy-on-write and raw_deallocate expect)
+// with a deleter of this library's, which counts the free, from any thread
+// and at any time, and then calls the original deleter. Leaving the block puts
+// the original allocator back at the priority it had; blocks allocated meanwhile
+// keep counting their frees. Nothing else of torch is touched: torch.profiler
+// runs inside a tracked block and sees what it always sees.
 //
 // Everything a tracker needs per event happens here, under one mutex: live
 // blocks by address (each rounded up to the CUDA allocator's 512 B), bytes by
 // category and by module, the running peak and the breakdown at that peak.
-// Python only classifies (a parameter, a gradient, a saved activation) from
-// the hooks nbmem.categories installs, and reads the figures. The accounting
-// mirrors nbmem/tracking.py's Tracker (classify, _grow, _release, _settle_peak).
+// Python classifies (a parameter, a gradient, a saved activation) from the
+// hooks nbmem.categories installs, adopts the storages alive before (their
+// frees come from weak references whose callbacks are nbmem_release), and
+// reads the figures. The accounting mirrors nbmem/tracking.py's Tracker
+// (classify, _grow, _release, _settle_peak).
 //
-// Loaded with ctypes.PyDLL (the GIL is held in every call); plain C entry points.
+// Loaded with ctypes.PyDLL (the GIL is held in every call from Python); plain
+// C entry points.
 
 #include <c10/core/Allocator.h>
-#include <c10/util/ThreadLocalDebugInfo.h>
-#include <torch/csrc/profiler/orchestration/observer.h>
+#include <c10/core/CPUAllocator.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <memory>
+#include <cstring>
 #include <mutex>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace torch::autograd {
@@ -40,10 +44,6 @@ TORCH_API int get_current_graph_task_id();
 }  // namespace torch::autograd
 
 namespace {
-
-using torch::profiler::impl::ActiveProfilerType;
-using torch::profiler::impl::ProfilerConfig;
-using torch::profiler::impl::ProfilerState;
 
 constexpr int kCategories = 7;  // nbmem.results.CATEGORIES, most specific first; "other" last
 constexpr int kOther = kCategories - 1;
@@ -56,22 +56,18 @@ struct Block {
   int32_t category;
   int32_t module;
   int64_t born;  // event number; -1 for blocks alive before tracking saw them (adopted)
+  int64_t serial;  // which block at this address: a weak reference releases only its own
 };
 
 struct Accounts {
   std::mutex mutex;
   std::unordered_map<int64_t, Block> live;
-  // addresses a weak reference released (an adopted storage's death) that the
-  // allocator may report freed right after: that report is not a new free
-  std::unordered_set<int64_t> released;
-  // the blocks of the last activation, by address: what a block adopted at the same address and
-  // size was (a parameter, an activation autograd saved in the cell before); labels only, never bytes
-  std::unordered_map<int64_t, Block> hints;
   int64_t block = 512;
   int64_t events = 0;
+  int64_t serials = 0;
   int64_t allocated = 0;
   int64_t peak = 0;
-  int64_t adopted = 0;  // bytes found alive before tracking (walked, or freed unseen: see free_reported)
+  int64_t adopted = 0;  // bytes found alive before tracking saw them
   int64_t categories[kCategories] = {};
   std::vector<int64_t> modules = std::vector<int64_t>(2, 0);  // index: module id + 2
   // the breakdown at the running peak, taken lazily (nbmem.tracking.Tracker._settle_peak)
@@ -107,10 +103,11 @@ struct Accounts {
     }
   }
 
-  void add(int64_t ptr, int64_t size, int32_t in_module, int64_t born) {
-    live[ptr] = Block{size, kOther, in_module, born};
+  int64_t add(int64_t ptr, int64_t size, int32_t in_module, int64_t born) {
+    live[ptr] = Block{size, kOther, in_module, born, ++serials};
     categories[kOther] += size;
     module_bytes(modules, in_module) += size;
+    return serials;
   }
 
   void remove(std::unordered_map<int64_t, Block>::iterator it) {
@@ -122,108 +119,110 @@ struct Accounts {
     live.erase(it);
   }
 
-  // bytes that were there before every open scope began: the running peak includes them too
-  void adopt_bytes(int64_t ptr, int64_t size, int32_t in_module) {
-    int32_t category = kOther;
-    auto hint = hints.find(ptr);
-    if (hint != hints.end() && hint->second.size == size) {
-      category = hint->second.category;
-      in_module = hint->second.module;
-    }
-    add(ptr, size, in_module, -1);
-    if (category != kOther) {
-      live[ptr].category = category;
-      categories[kOther] -= size;
-      categories[category] += size;
-    }
-    allocated += size;
-    peak += size;
-    adopted += size;
-    if (settled) {
-      peak_categories[category] += size;
-      module_bytes(peak_modules, in_module) += size;
-    }
-  }
-
-  void allocation_reported(int64_t ptr, int64_t nbytes, int32_t in_module) {
+  void allocation_seen(int64_t ptr, int64_t nbytes, int32_t in_module) {
     ++events;
-    released.erase(ptr);
-    hints.erase(ptr);
     auto stale = live.find(ptr);
-    if (stale != live.end()) remove(stale);  // its free went unseen; the address is in use again
+    // an adopted block here died unseen (resized in place before it was watched again): gone
+    if (stale != live.end()) remove(stale);
     int64_t size = rounded(nbytes);
     add(ptr, size, in_module, events);
     grow(size, in_module);
   }
 
-  void free_reported(int64_t ptr, int64_t nbytes, int32_t in_module) {
-    ++events;
+  void free_seen(int64_t ptr) {
     auto it = live.find(ptr);
-    if (it != live.end()) {
-      remove(it);
-    } else if (released.erase(ptr) == 0) {
-      // A block allocated while an earlier tracked block ran (the allocator knew its size then)
-      // and held only by C++ since (what autograd saved for a backward in a later cell): it was
-      // there all along, so it is adopted, then freed.
-      int64_t size = rounded(nbytes);
-      adopt_bytes(ptr, size, in_module);
-      remove(live.find(ptr));
-    }
+    if (it == live.end()) return;
+    ++events;
+    remove(it);
   }
 };
 
-Accounts accounts;
+// Never destroyed: a block allocated while a block was tracked may be freed during the process's
+// exit, by another library's static destructor, after this library's own statics are gone.
+Accounts& accounts = *new Accounts;
 
-struct Reporter final : torch::profiler::impl::ProfilerStateBase {
-  Reporter() : ProfilerStateBase(ProfilerConfig(ProfilerState::Disabled)) {}
-  void reportMemoryUsage(void* ptr, int64_t bytes, size_t, size_t, c10::Device device) override {
-    if (device.type() != c10::DeviceType::CPU || bytes == 0) return;
-    bool backward = torch::autograd::get_current_graph_task_id() != -1;
+// -- the wrapping allocator ------------------------------------------------
+
+c10::Allocator* inner = nullptr;  // the CPU allocator that was registered when nbmem first wrapped it
+c10::DeleterFnPtr inner_deleter = nullptr;  // its deleter for a simple data pointer
+uint8_t inner_priority = 0;  // the priority it was registered with (found when wrapping it)
+
+void counted_delete(void* data) {
+  {
+    // counted first: once the memory is back, another thread may be given the same address
     std::lock_guard<std::mutex> guard(accounts.mutex);
-    int32_t in_module = backward ? kBackward : accounts.module;
-    if (bytes > 0)
-      accounts.allocation_reported(reinterpret_cast<int64_t>(ptr), bytes, in_module);
-    else
-      accounts.free_reported(reinterpret_cast<int64_t>(ptr), -bytes, in_module);
+    accounts.free_seen(reinterpret_cast<int64_t>(data));
   }
-  bool memoryProfilingEnabled() const override { return true; }
-  ActiveProfilerType profilerType() override { return ActiveProfilerType::NONE; }
+  inner_deleter(data);
+}
+
+struct CountingAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DataPtr made = inner->allocate(nbytes);
+    void* data = made.get();
+    if (data == nullptr || made.get_context() != data || made.get_deleter() != inner_deleter) {
+      return made;  // not a simple data pointer of the allocator wrapped: left as it is, uncounted
+    }
+    c10::Device device = made.device();
+    made.release_context();
+    int32_t in_module = torch::autograd::get_current_graph_task_id() != -1 ? kBackward : kNoModule;
+    {
+      std::lock_guard<std::mutex> guard(accounts.mutex);
+      if (in_module != kBackward) in_module = accounts.module;
+      accounts.allocation_seen(reinterpret_cast<int64_t>(data), static_cast<int64_t>(nbytes), in_module);
+    }
+    return {data, data, &counted_delete, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
 };
 
-Reporter* innermost_reporter() {
-  return dynamic_cast<Reporter*>(c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE));
-}
+CountingAllocator& counting = *new CountingAllocator;  // never destroyed, for the same reason
 
 }  // namespace
 
 extern "C" {
 
-// 0: installed on this thread; 1: already installed; 2: refused, a profiler is running on this thread
+// 0: installed; 1: already installed; 2: the registered CPU allocator can't be wrapped (no raw
+// deleter); 3: another CPU allocator was registered since nbmem first wrapped one
 int nbmem_install() {
-  auto* current = c10::ThreadLocalDebugInfo::get(c10::DebugInfoKind::PROFILER_STATE);
-  if (current != nullptr) return dynamic_cast<Reporter*>(current) != nullptr ? 1 : 2;
-  c10::ThreadLocalDebugInfo::_push(c10::DebugInfoKind::PROFILER_STATE, std::make_shared<Reporter>());
-  return 0;
+  c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
+  if (current == &counting) return 1;
+  c10::DeleterFnPtr deleter = current->raw_deleter();
+  if (deleter == nullptr) return 2;
+  if (inner != nullptr && (inner != current || inner_deleter != deleter)) return 3;
+  inner = current;
+  inner_deleter = deleter;
+  // SetAllocator replaces only at a priority at least the registered one's, and nothing says
+  // which that is: the first that takes is it, and putting the original back there restores it
+  for (int priority = 0; priority <= UINT8_MAX; ++priority) {
+    c10::SetAllocator(c10::DeviceType::CPU, &counting, static_cast<uint8_t>(priority));
+    if (c10::GetAllocator(c10::DeviceType::CPU) == &counting) {
+      inner_priority = static_cast<uint8_t>(priority);
+      return 0;
+    }
+  }
+  return 2;
 }
 
-// 1: removed; 0: not installed on this thread; -1: something else is on top of it (left in place)
+// 1: the original allocator is back; 0: nbmem's was not registered (nothing to do)
 int nbmem_uninstall() {
-  if (innermost_reporter() == nullptr) return 0;
-  try {
-    c10::ThreadLocalDebugInfo::_pop(c10::DebugInfoKind::PROFILER_STATE);
-  } catch (const std::exception&) {
-    return -1;
+  if (c10::GetAllocator(c10::DeviceType::CPU) != &counting) return 0;
+  c10::SetAllocator(c10::DeviceType::CPU, inner, inner_priority);
+  {
+    std::lock_guard<std::mutex> guard(accounts.mutex);
+    accounts.module = kNoModule;
   }
   return 1;
 }
 
-int nbmem_installed() { return innermost_reporter() != nullptr ? 1 : 0; }
+int nbmem_installed() { return c10::GetAllocator(c10::DeviceType::CPU) == &counting ? 1 : 0; }
 
 void nbmem_reset(int64_t block) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
-  accounts.hints.swap(accounts.live);
   accounts.live.clear();
-  accounts.released.clear();
   accounts.block = block > 0 ? block : 1;
   accounts.events = accounts.allocated = accounts.peak = accounts.adopted = 0;
   std::fill(accounts.categories, accounts.categories + kCategories, 0);
@@ -235,29 +234,36 @@ void nbmem_reset(int64_t block) {
 }
 
 // A storage found alive: counted as there before every open scope (made_now 0) or as made
-// now (1: another thread's tensor found at a block's end). Returns its rounded size, 0 if known.
+// now (1: found at a block's end, made where no allocation was seen). Returns the block's
+// serial for its weak reference, 0 if a block at that address is known already.
 int64_t nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
   if (accounts.live.count(ptr)) return 0;
   int64_t size = accounts.rounded(nbytes);
   if (made_now) {
     ++accounts.events;
-    accounts.add(ptr, size, kNoModule, accounts.events);
+    int64_t serial = accounts.add(ptr, size, kNoModule, accounts.events);
     accounts.grow(size, kNoModule);
-  } else {
-    accounts.adopt_bytes(ptr, size, kNoModule);
+    return serial;
   }
-  return size;
+  int64_t serial = accounts.add(ptr, size, kNoModule, -1);
+  accounts.allocated += size;
+  accounts.peak += size;  // there all along: the running peak includes it too
+  accounts.adopted += size;
+  if (accounts.settled) {
+    accounts.peak_categories[kOther] += size;
+    accounts.module_bytes(accounts.peak_modules, kNoModule) += size;
+  }
+  return serial;
 }
 
-// A weak reference's callback, (address, the dead reference): an adopted storage died.
-void nbmem_release(int64_t ptr, void* /* the weak reference */) {
+// A weak reference's callback, (address, serial, the dead reference): an adopted storage died.
+void nbmem_release(int64_t ptr, int64_t serial, void* /* the weak reference */) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
   auto it = accounts.live.find(ptr);
-  if (it == accounts.live.end()) return;
+  if (it == accounts.live.end() || it->second.serial != serial) return;
   ++accounts.events;
   accounts.remove(it);
-  accounts.released.insert(ptr);
 }
 
 // Moves the block to a more specific category (and module, unless kKeep); 1 if the block is known.
