@@ -184,7 +184,8 @@ class Activation:
 
 
 #: Trackers whose engine lives outside Python's tables (the native engine's
-#: allocator reporter, on a thread's debug info): noted before it goes in.
+#: counting allocator, registered with c10): noted before it goes in, until
+#: it is unregistered (``%unload_ext nbmem``).
 _NATIVE: list[Any] = []
 
 
@@ -218,10 +219,12 @@ def remove_every_tracker() -> int:
             found[id(mode.tracker)] = mode.tracker  # type: ignore[attr-defined]
     for hook in global_hooks():
         found[id(hook.__self__.tracker)] = hook.__self__.tracker
-    for tracker in list(_RESIZE_WATCHERS) + list(_NATIVE):
+    for tracker in list(_RESIZE_WATCHERS) + [native for native in _NATIVE if native.installed()]:
         found[id(tracker)] = tracker
     for tracker in found.values():
         tracker._holders.clear()
         tracker._uninstall()
         tracker.scopes.close_above(0)  # the abandoned scope's figures
+    for native in list(_NATIVE):
+        native.unregister()  # its allocator, passing allocations through between blocks, goes too
     return len(found)

@@ -5,9 +5,9 @@ dispatch mode; PyTorch charges any such mode 1.05-1.13x on small training steps
 before it does anything (``benchmarks/bench_mode_floor.py``), and a mode on the
 stack changes a little what PyTorch allocates (autograd accumulates gradients
 out of place when Python holds a reference). The native engine takes no trip
-into Python per op: while a block is tracked, c10's CPU allocator is wrapped by
-a small C++ one (``nbmem/_native/allocations.cpp``, built once by
-:mod:`nbmem.native`) that counts each allocation and, whenever it happens, its
+into Python per op: c10's CPU allocator is wrapped by a small C++ one
+(``nbmem/_native/allocations.cpp``, built once by :mod:`nbmem.native`) that,
+while a block is tracked, counts each allocation and, whenever it happens, its
 free, keeping the live blocks, bytes by category and module, the running peak
 and the breakdown at it. Python still classifies from the same hooks
 (:class:`nbmem.categories.Attribution`: parameters, gradients, optimizer state,
@@ -18,12 +18,15 @@ What it counts differs from the default engine, and results say so:
 - allocations, not storages: a kernel's own scratch (an im2col buffer) is
   counted while it lives, as the GPU counts cuDNN's workspace; the op at the
   peak is not known (no op is seen), the module is;
-- every CPU allocation in the process while a block runs, on any thread (a
-  DataLoader's or a pool's too), and every free of those, wherever it happens;
+- every CPU allocation in the process while a block runs, on any thread, and
+  every free of those, wherever and whenever it happens (the allocator stays
+  registered between blocks, passing allocations through, for mkldnn's frees);
+  not what PyTorch allocates past the registered allocator
+  (``torch.UntypedStorage(n)``) or a DataLoader worker's shared memory;
 - the baseline is the storages alive when a block starts, found by walking
   Python's objects as the default engine does; one made before tracking and
-  resized in place inside a block (``resize_``, FSDP2's parameter resizes) is
-  counted at its old size until the next block's walk finds it;
+  resized in place (``resize_``, FSDP2's parameter resizes) is counted at its
+  old size until a whole walk finds it again;
 - no virtual capacity and no timeline: those need every op (``engine="dispatch"``).
 
 >>> import torch
@@ -106,7 +109,7 @@ class NativeTracker(Activation):
         self._attribution = Attribution(self)
         self._attribution.module_changed = self._module_changed
         self._attribution.install()
-        note_native(self)
+        note_native(self)  # before the allocator is registered: %unload_ext finds it whatever happens next
         refused = self._lib.nbmem_install()
         if refused >= 2:
             raise NativeUnavailable(
@@ -116,17 +119,31 @@ class NativeTracker(Activation):
             )
 
     def _uninstall(self) -> None:
-        """Put the original allocator back and remove every hook, looking at torch's own state; safe to repeat."""
+        """Stop counting and remove every hook, looking at torch's own state; safe to repeat.
+
+        The counting allocator stays registered, passing allocations through: memory
+        mkldnn raw-allocated in a block is freed through whichever allocator is
+        registered then, and must still be counted out. :meth:`unregister` removes it.
+        """
         self._lib.nbmem_uninstall()
         if self._attribution is not None:
             self._attribution.remove()
         remove_global_hooks(self)
         self._attribution = None
+
+    def unregister(self) -> None:
+        """Put PyTorch's own CPU allocator back (``%unload_ext nbmem``); the next block registers nbmem's again."""
+        self._uninstall()
+        self._lib.nbmem_unregister()
         forget_native(self)
 
     def installed(self) -> bool:
-        """Whether nbmem's counting allocator is PyTorch's CPU allocator now."""
+        """Whether allocations are being counted now (a block is tracked)."""
         return bool(self._lib.nbmem_installed())
+
+    def registered(self) -> bool:
+        """Whether nbmem's allocator is PyTorch's CPU allocator now (counting, or passing through)."""
+        return bool(self._lib.nbmem_registered())
 
     # -- the peak-counter protocol ----------------------------------------
 
@@ -218,11 +235,11 @@ class NativeTracker(Activation):
 
     def storage_key(self, tensor: torch.Tensor) -> int | None:
         """The address under which ``tensor``'s storage is accounted, None if it is not."""
-        address = _address(tensor)
+        address = self._address(tensor)
         return address if address and self._lib.nbmem_block(address, self._row) else None
 
     def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
-        address = _address(tensor)
+        address = self._address(tensor)
         row = self._row
         if not address or not self._lib.nbmem_block(address, row):
             return None
@@ -233,7 +250,7 @@ class NativeTracker(Activation):
 
     def module_of(self, tensor: torch.Tensor) -> str | None:
         """The module ``tensor``'s block belongs to (None: outside modules, or not accounted)."""
-        address = _address(tensor)
+        address = self._address(tensor)
         if not address or not self._lib.nbmem_block(address, self._row):
             return None
         return self._module_names.get(self._row[2])
@@ -282,10 +299,10 @@ class NativeTracker(Activation):
             return
         if not storage.resizable() or storage.device.type != "cpu":
             return  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
-        address, nbytes = storage.data_ptr(), storage.nbytes()
+        key = storage._cdata
+        address, nbytes = self._lib.nbmem_storage_address(key), storage.nbytes()
         if not address or not nbytes:
             return
-        key = storage._cdata
         known = self._watched.get(key)
         if known is not None and known[2]() is storage:
             if known[0] == address:
@@ -307,13 +324,26 @@ class NativeTracker(Activation):
                 return
             if isinstance(tensor, FakeTensor) or not self._on_device(tensor):
                 return  # an estimate's, inside a tracked block: it holds no memory
-        address = _address(tensor)
+        address = self._address(tensor)
         if not address:
             return
         module_id = _KEEP if module is None else self._module_id(module)
         if not self._lib.nbmem_classify(address, _RANK[category], module_id):
             self._count(tensor, adopt=True)  # made before tracking saw it, held only by C++ until now
             self._lib.nbmem_classify(address, _RANK[category], module_id)
+
+    def _address(self, tensor: torch.Tensor) -> int:
+        """The address of ``tensor``'s CPU storage (a copy-on-write one left shared); 0: none (a fake tensor's...)."""
+        plain = type(tensor) in _PLAIN
+        if (plain and not tensor.is_cpu) or (not plain and isinstance(tensor, FakeTensor)):
+            return 0  # a fake tensor has no memory (asking for its data pointer warns)
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse: no storage of its own
+            return 0
+        if not plain and storage.device.type != "cpu":
+            return 0
+        return int(self._lib.nbmem_storage_address(storage._cdata))
 
     def _module_id(self, name: str | None) -> int:
         found = self._module_ids.get(name)
@@ -325,18 +355,6 @@ class NativeTracker(Activation):
     def _module_changed(self, name: str | None) -> None:
         # inside a backward (a checkpointed forward ran again) the allocator asks autograd itself
         self._lib.nbmem_set_module(_NO_MODULE if name == BACKWARD else self._module_id(name))
-
-
-def _address(tensor: torch.Tensor) -> int:
-    """The address of ``tensor``'s CPU storage; 0 for none (a fake tensor's, another device's, no storage)."""
-    plain = type(tensor) in _PLAIN
-    if (plain and not tensor.is_cpu) or (not plain and isinstance(tensor, FakeTensor)):
-        return 0  # a fake tensor has no data pointer (asking warns)
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # sparse: no storage of its own
-        return 0
-    return storage.data_ptr() if plain or storage.device.type == "cpu" else 0
 
 
 @functools.cache

@@ -353,6 +353,77 @@ def test_later_blocks_walk_only_the_young_generations(monkeypatch):
     del kept
 
 
+def test_mkldnn_memory_made_in_a_block_and_freed_after_it_is_counted_out():
+    # ideep frees through whichever CPU allocator is registered then (raw_deallocate): nbmem's stays
+    # registered between blocks, passing allocations through, so the free is still counted
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no mkldnn")
+    tracker = native_tracker()
+    with native() as scope:
+        opaque = torch.randn(1024, 1024).to_mkldnn()  # 4 MiB through raw_allocate
+    assert scope.result.retained >= 4 * MiB
+    before = tracker.allocated()
+    del opaque  # outside every block
+    assert tracker.allocated() == before - 4 * MiB
+
+
+def test_lazy_clones_stay_lazy_and_their_shared_block_lives_as_long_as_either():
+    first = torch.ones(256, 1024)  # 1 MiB
+    second = torch._lazy_clone(first)  # shares the 1 MiB until one of them is written
+    with native() as scope:
+        pass
+    assert torch._C._is_cow_tensor(first) and torch._C._is_cow_tensor(second)  # the walk copied nothing
+    with native() as scope:
+        del first  # the other still holds the memory
+        del second  # now it is freed
+    assert scope.result.retained == -MiB
+
+
+def test_a_child_forked_in_a_block_while_another_thread_allocates_does_not_hang():
+    import signal
+
+    stop = threading.Event()
+
+    def churn() -> None:
+        kept = [torch.empty(1) for _ in range(64)]
+        while not stop.is_set():
+            for index in range(64):
+                kept[index] = torch.empty(1)  # a counted allocation and free, the GIL released in the op
+
+    worker = threading.Thread(target=churn, daemon=True)
+    hung = 0
+    with native():
+        worker.start()
+        try:
+            for _ in range(40):
+                child = os.fork()
+                if child == 0:  # the child: allocate through nbmem's allocator and leave
+                    signal.alarm(10)  # a child stuck on a lock inherited locked dies of SIGALRM
+                    made = torch.ones(10)
+                    del made
+                    os._exit(0)
+                _, status = os.waitpid(child, 0)
+                hung += os.WIFSIGNALED(status)
+        finally:
+            stop.set()
+            worker.join()
+    assert hung == 0
+
+
+def test_unloading_puts_pytorchs_own_allocator_back(shell):
+    tracker = native_tracker()
+    with native():
+        pass
+    assert tracker.registered() and not tracker.installed()  # passing allocations through between blocks
+    nbmem.unload_ipython_extension(shell)
+    assert not tracker.registered()
+    nbmem.load_ipython_extension(shell)
+    with native() as scope:  # registers it again
+        kept = torch.ones(256, 1024)
+    assert scope.result.retained == MiB
+    del kept
+
+
 def test_one_native_tracker_per_process():
     from nbmem.native_tracking import NativeTracker
 

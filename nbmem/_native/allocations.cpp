@@ -2,17 +2,21 @@
 //
 // A Python dispatch mode costs every op a trip into Python: 1.05-1.13x on
 // small training steps before any accounting (benchmarks/bench_mode_floor.py).
-// This library sees allocations instead. While a block is tracked, the CPU
-// allocator registered with c10 (c10::GetAllocator(kCPU), what at::empty and
-// every CPU kernel allocate through; raw_allocate too, as mkldnn's scratch
-// does) is wrapped: an allocation goes to the allocator that was there, and
-// is counted; its DataPtr keeps the allocation's own address as its context
-// (a "simple" data pointer, as c10's copy-on-write and raw_deallocate expect)
-// with a deleter of this library's, which counts the free, from any thread
-// and at any time, and then calls the original deleter. Leaving the block puts
-// the original allocator back at the priority it had; blocks allocated meanwhile
-// keep counting their frees. Nothing else of torch is touched: torch.profiler
-// runs inside a tracked block and sees what it always sees.
+// This library sees allocations instead. The CPU allocator registered with
+// c10 (c10::GetAllocator(kCPU), what at::empty and CPU kernels allocate
+// through; raw_allocate too, as mkldnn does) is wrapped when the first block
+// is tracked, at the priority it had, and stays wrapped until nbmem is
+// unloaded (nbmem_unregister): between blocks the wrapper only passes
+// allocations through, so that memory raw-allocated in a block and handed to
+// raw_deallocate after it (mkldnn's buffers look the allocator up again to free)
+// is still counted out, and c10's registry, not thread-safe, is written twice
+// rather than at every block. While a block is tracked an allocation goes to the
+// original allocator and is counted; its DataPtr keeps the allocation's own
+// address as its context (a "simple" data pointer, as c10's copy-on-write and
+// raw_deallocate expect) with a deleter of this library's, which counts the
+// free, from any thread and at any time, and then calls the original deleter.
+// Nothing else of torch is touched: torch.profiler runs inside a tracked block
+// and sees what it always sees.
 //
 // Everything a tracker needs per event happens here, under one mutex: live
 // blocks by address (each rounded up to the CUDA allocator's 512 B), bytes by
@@ -28,8 +32,11 @@
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
+#include <pthread.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +64,7 @@ struct Block {
   int32_t module;
   int64_t born;  // event number; -1 for blocks alive before tracking saw them (adopted)
   int64_t serial;  // which block at this address: a weak reference releases only its own
+  int64_t watchers;  // adopted: storages whose weak references hold it (lazy clones share one)
 };
 
 struct Accounts {
@@ -104,7 +112,7 @@ struct Accounts {
   }
 
   int64_t add(int64_t ptr, int64_t size, int32_t in_module, int64_t born) {
-    live[ptr] = Block{size, kOther, in_module, born, ++serials};
+    live[ptr] = Block{size, kOther, in_module, born, ++serials, 1};
     categories[kOther] += size;
     module_bytes(modules, in_module) += size;
     return serials;
@@ -141,11 +149,18 @@ struct Accounts {
 // exit, by another library's static destructor, after this library's own statics are gone.
 Accounts& accounts = *new Accounts;
 
+// A child forked while another thread holds the mutex would wait on it for ever: fork takes it
+// first, and both sides let go (a DataLoader's workers fork while a block is tracked).
+void before_fork() { accounts.mutex.lock(); }
+void after_fork() { accounts.mutex.unlock(); }
+const int fork_handlers = pthread_atfork(before_fork, after_fork, after_fork);
+
 // -- the wrapping allocator ------------------------------------------------
 
 c10::Allocator* inner = nullptr;  // the CPU allocator that was registered when nbmem first wrapped it
 c10::DeleterFnPtr inner_deleter = nullptr;  // its deleter for a simple data pointer
 uint8_t inner_priority = 0;  // the priority it was registered with (found when wrapping it)
+std::atomic<bool> counting_on{false};  // a block is tracked: count; else pass allocations through
 
 void counted_delete(void* data) {
   {
@@ -159,6 +174,7 @@ void counted_delete(void* data) {
 struct CountingAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DataPtr made = inner->allocate(nbytes);
+    if (!counting_on.load(std::memory_order_relaxed)) return made;
     void* data = made.get();
     if (data == nullptr || made.get_context() != data || made.get_deleter() != inner_deleter) {
       return made;  // not a simple data pointer of the allocator wrapped: left as it is, uncounted
@@ -185,11 +201,12 @@ CountingAllocator& counting = *new CountingAllocator;  // never destroyed, for t
 
 extern "C" {
 
-// 0: installed; 1: already installed; 2: the registered CPU allocator can't be wrapped (no raw
-// deleter); 3: another CPU allocator was registered since nbmem first wrapped one
-int nbmem_install() {
+// Registers the counting allocator in place of the CPU allocator, at its priority, if not yet.
+// 0: registered now or before; 2: the registered CPU allocator can't be wrapped (no raw deleter);
+// 3: another CPU allocator was registered since nbmem first wrapped one.
+int register_counting() {
   c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
-  if (current == &counting) return 1;
+  if (current == &counting) return 0;
   c10::DeleterFnPtr deleter = current->raw_deleter();
   if (deleter == nullptr) return 2;
   if (inner != nullptr && (inner != current || inner_deleter != deleter)) return 3;
@@ -207,18 +224,44 @@ int nbmem_install() {
   return 2;
 }
 
-// 1: the original allocator is back; 0: nbmem's was not registered (nothing to do)
-int nbmem_uninstall() {
-  if (c10::GetAllocator(c10::DeviceType::CPU) != &counting) return 0;
-  c10::SetAllocator(c10::DeviceType::CPU, inner, inner_priority);
-  {
-    std::lock_guard<std::mutex> guard(accounts.mutex);
-    accounts.module = kNoModule;
-  }
-  return 1;
+// Start counting (a block is tracked). 0: counting; 2 or 3: see register_counting.
+int nbmem_install() {
+  int refused = register_counting();
+  if (refused == 0) counting_on.store(true);
+  return refused;
 }
 
-int nbmem_installed() { return c10::GetAllocator(c10::DeviceType::CPU) == &counting ? 1 : 0; }
+// Stop counting; the wrapper stays registered and passes allocations through. 1 if it was counting.
+int nbmem_uninstall() {
+  bool was = counting_on.exchange(false);
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  accounts.module = kNoModule;
+  return was ? 1 : 0;
+}
+
+// Whether allocations are being counted now.
+int nbmem_installed() { return counting_on.load() ? 1 : 0; }
+
+// Whether the counting allocator is c10's CPU allocator (counting or passing through).
+int nbmem_registered() { return c10::GetAllocator(c10::DeviceType::CPU) == &counting ? 1 : 0; }
+
+// Put the original CPU allocator back (nbmem unloaded). 1: back; 0: nbmem's was not registered;
+// -1: someone registered theirs above nbmem's meanwhile (theirs is left in place).
+int nbmem_unregister() {
+  counting_on.store(false);
+  if (c10::GetAllocator(c10::DeviceType::CPU) != &counting) return inner == nullptr ? 0 : -1;
+  for (int priority = inner_priority; priority <= UINT8_MAX; ++priority) {
+    c10::SetAllocator(c10::DeviceType::CPU, inner, static_cast<uint8_t>(priority));
+    if (c10::GetAllocator(c10::DeviceType::CPU) == inner) return 1;
+  }
+  return -1;
+}
+
+// The address of a storage's memory, without materializing a copy-on-write one (as
+// UntypedStorage.data_ptr() would): the argument is UntypedStorage._cdata.
+int64_t nbmem_storage_address(int64_t cdata) {
+  return reinterpret_cast<int64_t>(reinterpret_cast<c10::StorageImpl*>(cdata)->data());
+}
 
 void nbmem_reset(int64_t block) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
@@ -238,7 +281,12 @@ void nbmem_reset(int64_t block) {
 // serial for its weak reference, 0 if a block at that address is known already.
 int64_t nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
-  if (accounts.live.count(ptr)) return 0;
+  auto known = accounts.live.find(ptr);
+  if (known != accounts.live.end()) {
+    if (known->second.born != -1) return 0;  // allocated while counting: its free is counted
+    ++known->second.watchers;  // adopted already, for another storage (a lazy clone): one more to die
+    return known->second.serial;
+  }
   int64_t size = accounts.rounded(nbytes);
   if (made_now) {
     ++accounts.events;
@@ -262,6 +310,7 @@ void nbmem_release(int64_t ptr, int64_t serial, void* /* the weak reference */) 
   std::lock_guard<std::mutex> guard(accounts.mutex);
   auto it = accounts.live.find(ptr);
   if (it == accounts.live.end() || it->second.serial != serial) return;
+  if (--it->second.watchers > 0) return;
   ++accounts.events;
   accounts.remove(it);
 }
