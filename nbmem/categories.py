@@ -51,6 +51,10 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _NO_PYTHON_DISPATCH = torch._C._DisableTorchDispatch
 
 
+# True while Dynamo traces (torch.compile): a hook it inlines must not touch nbmem's state
+_compiling = torch.compiler.is_compiling
+
+
 def top_level(name: str | None) -> str | None:
     """The top-level part of a module path: ``"Sequential.0.fc"`` -> ``"Sequential.0"``.
 
@@ -177,6 +181,8 @@ class Attribution:
     # -- hooks -------------------------------------------------------------------
 
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if _compiling():
+            return  # torch.compile traces module calls with their global hooks: nbmem's stay out of its graph
         name = self.name_of(module)
         owner = top_level(name)
         outermost = not self._running
@@ -219,6 +225,8 @@ class Attribution:
             self.tracker.classify(parameter.grad, "gradient", owner)
 
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _compiling():
+            return
         if self._running:
             self._running.pop()
         if self.module_changed is not None:

@@ -543,3 +543,17 @@ def test_a_process_that_exits_inside_a_native_block_exits_cleanly():
     )
     process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert process.returncode == 0, process.stderr[-2000:]
+
+
+@pytest.mark.slow  # inductor compiles C++ for the CPU
+def test_torch_compile_of_a_module_first_called_inside_a_native_block():
+    # Dynamo traces a module call with the global forward hooks; it choked on nbmem's
+    # ("UnspecializedNNModuleVariable(Sequential) is already tracked for mutation")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    compiled = torch.compile(model)
+    with native(breakdown=True) as scope:
+        compiled(torch.randn(16, 64)).sum().backward()
+    grads = 64 * 64 * 4 + 512 + 64 * 8 * 4 + 512  # the gradients stay: 16 KiB + 2 KiB and two 512 B biases
+    assert scope.result.retained == grads and scope.result.peak >= grads
+    nothing_installed(model)
