@@ -557,3 +557,29 @@ def test_torch_compile_of_a_module_first_called_inside_a_native_block():
     grads = 64 * 64 * 4 + 512 + 64 * 8 * 4 + 512  # the gradients stay: 16 KiB + 2 KiB and two 512 B biases
     assert scope.result.retained == grads and scope.result.peak >= grads
     nothing_installed(model)
+
+
+def test_a_hugging_face_training_step_is_explained_as_the_default_engine_explains_it():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, intermediate_size=256, vocab_size=1000)
+    model = transformers.BertForSequenceClassification(config)
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = {"input_ids": torch.randint(0, 1000, (4, 64)), "labels": torch.tensor([0, 1, 0, 1])}
+
+    def step() -> None:
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    results = {}
+    for name, make in (("dispatch", dispatch), ("native", native)):
+        with make(breakdown=True) as scope:
+            step()
+        results[name] = scope.result
+    first, second = results["dispatch"], results["native"]
+    assert second.retained == first.retained == 0
+    # the same activations at the peak; the native peak may add a kernel's scratch (8-byte scalars...)
+    assert dict(second.breakdown.at_peak)["activation"] == dict(first.breakdown.at_peak)["activation"] > 0
+    assert 0 <= second.peak - first.peak <= 16 * 512
