@@ -204,7 +204,7 @@ def remove_every_tracker() -> int:
 
     Trackers are found in torch's own state (the dispatch mode stack, the
     global hook tables, the ``resize_`` watchers) and among the native
-    engine's trackers noted before their reporter went in, so a scope that Ctrl-C cut
+    engine's trackers noted before their allocator went in, so a scope that Ctrl-C cut
     off from its ``stop()`` can't keep hooks on every model for the rest of
     the session (issue 12). Returns how many trackers were still installed.
 

@@ -2,8 +2,8 @@
 
 Tracked mode's dispatch mode costs each op a trip into Python; the native
 engine (:mod:`nbmem.native_tracking`) counts allocations in C++ instead, by
-wrapping the CPU allocator while a block is tracked (the source says how). It is compiled on first use against the
-installed torch's headers with the system's C++ compiler (``g++``, or ``$CXX``):
+wrapping the CPU allocator (the source says how). It is compiled on first use
+against the installed torch's headers with the system's C++ compiler (``g++``, or ``$CXX``):
 about 3 s on a 2-core machine, then cached under ``$NBMEM_CACHE`` (default
 ``~/.cache/nbmem``) by a hash of the source, the torch build and the
 compiler, so a new torch gets a new build. No package is added for it:

@@ -226,34 +226,28 @@ class NativeTracker(Activation):
         values = (ctypes.c_int64 * (total * 5))()
         rows = min(self._lib.nbmem_blocks(values, total * 5), total)
         blocks = sorted((values[index * 5: index * 5 + 5] for index in range(rows)), key=lambda row: -row[1])[:count]
-        found = []
-        for address, size, category, module, born in blocks:
-            record = StorageRecord(size, born, None, self._module_names.get(module), (), None)
-            record.category = CATEGORIES[category]
-            found.append((address, record))
-        return found
+        return [(address, self._record(size, category, module, born)) for address, size, category, module, born in blocks]
 
-    def storage_key(self, tensor: torch.Tensor) -> int | None:
-        """The address under which ``tensor``'s storage is accounted, None if it is not."""
-        address = self._address(tensor)
-        return address if address and self._lib.nbmem_block(address, self._row) else None
-
-    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
-        address = self._address(tensor)
-        row = self._row
-        if not address or not self._lib.nbmem_block(address, row):
-            return None
-        size, category, module, born = row
+    def _record(self, size: int, category: int, module: int, born: int) -> StorageRecord:
         record = StorageRecord(size, born, None, self._module_names.get(module), (), None)
         record.category = CATEGORIES[category]
         return record
 
+    def _block(self, tensor: torch.Tensor) -> int:
+        """The address of ``tensor``'s accounted block, its (size, category, module, born) in ``_row``; 0: none."""
+        address = self._address(tensor)
+        return address if address and self._lib.nbmem_block(address, self._row) else 0
+
+    def storage_key(self, tensor: torch.Tensor) -> int | None:
+        """The address under which ``tensor``'s storage is accounted, None if it is not."""
+        return self._block(tensor) or None
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        return self._record(*self._row) if self._block(tensor) else None
+
     def module_of(self, tensor: torch.Tensor) -> str | None:
         """The module ``tensor``'s block belongs to (None: outside modules, or not accounted)."""
-        address = self._address(tensor)
-        if not address or not self._lib.nbmem_block(address, self._row):
-            return None
-        return self._module_names.get(self._row[2])
+        return self._module_names.get(self._row[2]) if self._block(tensor) else None
 
     def current_module(self) -> str | None:
         return self._attribution.current_module() if self._attribution is not None else None
@@ -280,7 +274,7 @@ class NativeTracker(Activation):
         return max(self.allocated() - before, 0)
 
     def reconcile(self) -> None:
-        """Nothing to mend: each change to the accounts is one C call, whole or not at all."""
+        """Pass adopted bytes on to the open scopes; nothing else to mend: each change to the accounts is one C call."""
         self._read()
 
     def settle(self) -> None:

@@ -278,7 +278,12 @@ class MemoryScope:
         counter, tracker = self._counter, self._tracker
         name = capacity = free = None
         notes: list[str] = []
-        if unseen:
+        if unseen and self.engine == "native":
+            notes.append(
+                f"{format_bytes(unseen)} in tensors no allocation of the block showed (another allocator's) were "
+                "found at its end and counted as allocated then"
+            )
+        elif unseen:
             notes.append(
                 f"{format_bytes(unseen)} in tensors made on another thread during the block were found at its end and "
                 "counted as allocated then; tracking follows only this thread's ops, so what other threads made and "

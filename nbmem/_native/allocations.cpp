@@ -39,7 +39,6 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
-#include <cstring>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -127,14 +126,16 @@ struct Accounts {
     live.erase(it);
   }
 
-  void allocation_seen(int64_t ptr, int64_t nbytes, int32_t in_module) {
+  // a new block, counted now; returns its serial
+  int64_t allocation_seen(int64_t ptr, int64_t nbytes, int32_t in_module) {
     ++events;
     auto stale = live.find(ptr);
     // an adopted block here died unseen (resized in place before it was watched again): gone
     if (stale != live.end()) remove(stale);
     int64_t size = rounded(nbytes);
-    add(ptr, size, in_module, events);
+    int64_t serial = add(ptr, size, in_module, events);
     grow(size, in_module);
+    return serial;
   }
 
   void free_seen(int64_t ptr) {
@@ -287,13 +288,8 @@ int64_t nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now) {
     ++known->second.watchers;  // adopted already, for another storage (a lazy clone): one more to die
     return known->second.serial;
   }
+  if (made_now) return accounts.allocation_seen(ptr, nbytes, kNoModule);
   int64_t size = accounts.rounded(nbytes);
-  if (made_now) {
-    ++accounts.events;
-    int64_t serial = accounts.add(ptr, size, kNoModule, accounts.events);
-    accounts.grow(size, kNoModule);
-    return serial;
-  }
   int64_t serial = accounts.add(ptr, size, kNoModule, -1);
   accounts.allocated += size;
   accounts.peak += size;  // there all along: the running peak includes it too
