@@ -182,29 +182,78 @@ def _cleanup_before_sigterm() -> Iterator[None]:
 
 #: Seconds to wait, after a rank reported an error, for a rank that died without one (see _first_failure).
 _SILENT_DEATH_GRACE = 3.0
+#: Seconds a rank that reported an error may take to exit before the launch stops without it.
+_REPORTED_EXIT_GRACE = 10.0
 
 
 def _wait(processes: list[Any], folder: str, timeout: float, on_rank: Callable[[int, int], None] | None) -> None:
     deadline = time.monotonic() + timeout
     told = 0  # ranks on_rank has heard of
+    reported: dict[int, float] = {}  # a rank still running that has reported its error: when it was seen
     while True:
         finished = sum(p.exitcode == 0 for p in processes)
         if on_rank is not None and finished != told:
             told = finished
             on_rank(finished, len(processes))
-        if any(p.exitcode not in (None, 0) for p in processes):
+        now = time.monotonic()
+        for rank, process in enumerate(processes):
+            if process.exitcode is None and rank not in reported and _reported(folder, rank):
+                reported[rank] = now
+        # a failed rank ends the launch when it exits, or when it has not exited long after reporting
+        if any(p.exitcode not in (None, 0) for p in processes) or any(
+            now - seen > _REPORTED_EXIT_GRACE for seen in reported.values()
+        ):
             rank = _first_failure(processes, folder)
             code = processes[rank].exitcode
             raise RankError(rank, _failure(folder, rank, code, len(processes)), code, reported=_reported(folder, rank))
         if all(p.exitcode == 0 for p in processes):
             return
-        if time.monotonic() > deadline:
+        if now > deadline:
             running = [rank for rank, p in enumerate(processes) if p.exitcode is None]
             raise TimeoutError(
                 f"the launch took longer than {timeout:g} s: rank(s) {running} still running were killed. "
-                f"Pass a larger timeout= if the step is slow.{_log_tail(folder, running[0])}"
+                f"Pass a larger timeout= if the step is slow.{_where_stuck(processes, folder, running)}"
             )
         processes[0].join(0.05)
+
+
+def _where_stuck(processes: list[Any], folder: str, running: list[int], lines: int = 30) -> str:
+    """Where the ranks still running at a timeout were stuck: the stacks SIGUSR1 makes them write to their logs.
+
+    Each rank registers faulthandler for SIGUSR1 as it starts (``_rank_main``);
+    one that had not got that far yet dies of the signal, as it would be killed
+    anyway. The logs get a moment to receive the stacks, whose first ``lines``
+    (the innermost frames) are shown.
+    """
+    sizes = {rank: _log_size(folder, rank) for rank in running}
+    for rank in running:
+        with contextlib.suppress(OSError):
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+    settle = time.monotonic() + 2.0
+    while time.monotonic() < settle and any(_log_size(folder, rank) == sizes[rank] for rank in running):
+        time.sleep(0.05)
+    time.sleep(0.1)  # the rest of a stack being written
+    told = []
+    for rank in running:
+        try:
+            with open(os.path.join(folder, f"rank{rank}.log")) as file:
+                file.seek(max(sizes[rank], 0))
+                stack = file.read().splitlines()[:lines]
+        except OSError:
+            stack = []
+        if stack:
+            told.append(f"\nwhere rank {rank} was stuck (its stack, innermost first):\n" + "\n".join(stack))
+        else:
+            told.append(f"\nrank {rank} wrote no stack: it was stuck before its Python code started (while being "
+                        f"forked).{_log_tail(folder, rank)}")
+    return "".join(told)
+
+
+def _log_size(folder: str, rank: int) -> int:
+    try:
+        return os.path.getsize(os.path.join(folder, f"rank{rank}.log"))
+    except OSError:
+        return -1
 
 
 def _reported(folder: str, rank: int) -> bool:
@@ -324,6 +373,8 @@ def _rank_main(target: Callable[[int, int], Any], rank: int, world_size: int, ba
         # a crash in native code (SIGSEGV, SIGABRT) writes the Python stack to the log, so the error
         # shows where it happened; a handler inherited from the parent would write to the parent's stderr
         faulthandler.enable(file=log)
+        # and SIGUSR1, which a launch that timed out sends, writes every thread's stack there: where it hung
+        faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
         import torch.distributed as dist
 
         dist.init_process_group(
@@ -332,10 +383,12 @@ def _rank_main(target: Callable[[int, int], Any], rank: int, world_size: int, ba
         try:
             value = target(rank, world_size)
         except BaseException:
-            _report(folder, rank)  # now: leaving the group makes its peers fail, and the first error is the cause
+            # reported now, and the group left by exiting, not destroyed: os._exit closes this rank's
+            # connections, so its peers fail (the first error is the cause), and no teardown that
+            # waits on a peer stuck in a collective can hold the exit back
+            _report(folder, rank)
             raise
-        finally:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
         with open(os.path.join(folder, f"rank{rank}.result.tmp"), "wb") as file:
             pickle.dump(value, file)
         os.replace(os.path.join(folder, f"rank{rank}.result.tmp"), os.path.join(folder, f"rank{rank}.result"))

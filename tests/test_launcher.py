@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from _processes import gone
+from nbmem import launcher
 from nbmem.launcher import RankError, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -82,10 +83,35 @@ def test_timeout_kills_every_rank(tmp_path):
 
     # The ranks never finish, so any timeout ends in TimeoutError; 20 s leaves
     # a busy machine time to start both ranks (their pid files are read below).
-    with pytest.raises(TimeoutError, match=r"longer than 20 s: rank\(s\) \[0, 1\]"):
+    with pytest.raises(TimeoutError, match=r"longer than 20 s: rank\(s\) \[0, 1\]") as raised:
         run_ranks(target, 2, timeout=20)
     pids = [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
     assert not any(_alive(pid) for pid in pids)
+    # where each rank was stuck: the stack it wrote on the launch's SIGUSR1, the user's frame in it
+    message = str(raised.value)
+    for rank in range(2):
+        stack = message.split(f"where rank {rank} was stuck")[1].split("where rank")[0]
+        assert "most recent call first" in stack and "in target" in stack
+
+
+def test_a_rank_that_reported_its_error_but_does_not_exit_still_ends_the_launch(monkeypatch):
+    reported = launcher._report
+
+    def report_then_hang(folder, rank):
+        reported(folder, rank)
+        time.sleep(FOREVER)  # e.g. a teardown stuck on a peer; the forked rank has this module as patched
+
+    monkeypatch.setattr(launcher, "_report", report_then_hang)
+
+    def target(rank, world_size):
+        if rank == 1:
+            raise ValueError("boom on rank 1")
+        time.sleep(FOREVER)
+
+    # RankError soon after the report, not TimeoutError after 600 s
+    with pytest.raises(RankError, match="rank 1 of 2 failed") as raised:
+        run_ranks(target, 2, timeout=600)
+    assert raised.value.exitcode is None and "ValueError: boom on rank 1" in str(raised.value)
 
 
 def _die(how: str) -> None:
