@@ -16,7 +16,10 @@ through a file. The guarantees:
   process as before, the launch folder removed); each rank also asks the
   kernel to kill it if its parent dies (Linux ``PR_SET_PDEATHSIG``);
 - a rank's prints go to a log file, never to the notebook's (forked) output
-  machinery; the last lines of a failing rank's log come with its error.
+  machinery; the last lines of a failing rank's log come with its error;
+- a rank that reported its error but does not exit still ends the launch
+  (after ``_REPORTED_EXIT_GRACE`` seconds), and a timeout says where each rank
+  still running was stuck: its stack, which faulthandler writes on SIGUSR1.
 """
 
 from __future__ import annotations
@@ -72,7 +75,8 @@ def run_ranks(
     The process group (``backend``, rendezvous through a file) exists around
     the call in each rank and is destroyed after it. Returns each rank's
     return value, in rank order. Raises :class:`RankError` for the first rank
-    that fails, TimeoutError after ``timeout`` seconds. ``on_rank(finished,
+    that fails, TimeoutError after ``timeout`` seconds (with the stack of each
+    rank still running: where it was stuck). ``on_rank(finished,
     world_size)`` is called (in this process) each time another rank has
     ended well: a progress view's hook.
     """
