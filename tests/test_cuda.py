@@ -132,6 +132,27 @@ def test_breakdown_total_at_peak_within_2_percent_of_cuda_peak(device):
     assert total == pytest.approx(result.peak_allocated, rel=0.02)
 
 
+def test_a_tracker_alongside_a_measurement_raises_its_peak_as_its_note_says(device):
+    # h's gradient is the sum of relu's and sigmoid's: autograd sums it in place, but out of place
+    # (one more 256 KiB tensor) while a Python dispatch mode is on the stack (at::isTensorSubclassLike)
+    x = torch.randn(256, 256, device=device)
+    w = torch.randn(256, 256, device=device, requires_grad=True)
+
+    def step():
+        h = x @ w
+        (h.relu() + h.sigmoid()).sum().backward()
+        w.grad = None
+
+    step()  # cuBLAS's workspace exists from here on
+    with nbmem.measure(device) as bare:
+        step()
+    with nbmem.measure(device, breakdown=True) as tracked:
+        step()
+    assert not any("dispatch mode" in note for note in bare.result.notes)
+    assert any("dispatch mode was on the stack" in note for note in tracked.result.notes)
+    assert tracked.result.peak_allocated - bare.result.peak_allocated == 256 * 256 * 4
+
+
 def test_virtual_capacity_on_cuda_tensors(device):
     with pytest.raises(torch.OutOfMemoryError, match="virtual device"):
         with nbmem.measure(device, capacity="4MiB"):

@@ -11,6 +11,8 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nbmem
+from nbmem import counters
+from nbmem import scope as scope_module
 from nbmem.scope import MemoryScope
 from nbmem.tracking import Tracker, default_tracker
 
@@ -442,3 +444,40 @@ def test_device_queries_are_numbered_by_no_tracker():
     carried, above = ops(carried=True), ops(carried=False)
     assert carried == above  # 15 ops each (34 if device queries were numbered), the same peak
     assert carried[1] == ops(carried=False, fake=False)[1] == 37888  # and a real run's peak
+
+
+class _StandInCuda(counters.CudaCounter):
+    """Measured mode's code path without a GPU: a CUDA counter that reads zeros."""
+
+    def __init__(self) -> None:
+        self.index = 0
+        self.scopes = counters.PeakScopes(self)
+
+    def allocated(self) -> int:
+        return 0
+
+    reserved = peak_allocated = peak_reserved = allocated
+
+    def reset_peak(self) -> None:
+        pass
+
+    def device_view(self):
+        return "stand-in", 80 << 30, 80 << 30
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("options, tracker_runs", [({}, False), ({"breakdown": True}, True), ({"timeline": True}, True),
+                                                   ({"capacity": "1 GiB"}, True)])
+def test_a_measurement_with_nbmems_tracker_alongside_says_the_tracker_can_raise_its_peak(
+        monkeypatch, options, tracker_runs):
+    # A Python dispatch mode on the stack makes autograd sum gradients out of place
+    # (tests/test_native.py measures it): a measured peak with the tracker beside it says so
+    monkeypatch.setattr(scope_module, "resolve_backend", lambda backend="auto", device=None: ("measured", torch.device("cuda", 0)))
+    monkeypatch.setattr(scope_module, "cuda_counter", lambda index: _StandInCuda())
+    with nbmem.measure(**options) as measured:
+        pass
+    said = [note for note in measured.result.notes if "dispatch mode was on the stack" in note]
+    assert measured.result.mode == "measured" and len(said) == int(tracker_runs)
+    assert not said or "untested on CUDA" in said[0]
