@@ -1,6 +1,6 @@
 """Tracked figures against the CPU allocator's own, on the real-model zoo: what each engine sees.
 
-Run: python benchmarks/bench_engines_zoo.py [--threads N] [--json FILE]
+Run: python benchmarks/bench_engines_zoo.py [--batch-size 8] [--threads N] [--json FILE]
 (needs the zoo extra: pip install torch==2.13.0 -e ".[zoo]")
 
 For each Hugging Face model of the zoo (tests/_zoo.py: GPT-2, Llama, BERT
@@ -44,7 +44,7 @@ from _environment import environment, write_json
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from _zoo import ZOO  # noqa: E402  (the tests' zoo: the same models and batches)
 
-BATCH = 8
+BATCH = 8  # the default; --batch-size sets another
 
 
 class _EmptyMode(TorchDispatchMode):
@@ -54,14 +54,14 @@ class _EmptyMode(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _peak(name: str, engine: str, empty_mode: bool) -> int:
+def _peak(name: str, engine: str, empty_mode: bool, batch_size: int) -> int:
     build, make, _ = ZOO[name]
     torch.manual_seed(0)
     model = build()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False)
 
     def step() -> None:
-        run_step(model, make, BATCH, None, optimizer, None, "fp32", 1, torch.device("cpu"))
+        run_step(model, make, batch_size, None, optimizer, None, "fp32", 1, torch.device("cpu"))
 
     step()  # the optimizer's state exists from here on, as in every step after the first
     with nbmem.measure("cpu", engine=engine) as scope:  # type: ignore[arg-type]
@@ -77,20 +77,21 @@ def _peak(name: str, engine: str, empty_mode: bool) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--batch-size", type=int, default=BATCH, help=f"the batch (default {BATCH})")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     report = environment("transformers", "peft")
-    report["batch_size"] = BATCH
+    report["batch_size"] = args.batch_size
     report["models"] = {}
     print(" ".join(f"{key}={value}" for key, value in report.items() if key != "models"))
     print(f"{'model':16s} {'native (truth)':>15s} {'+ a Python mode':>16s} {'default engine':>15s}")
     for name, (_, _, vision) in ZOO.items():
         if vision:
             continue  # timm and torchvision live in the zoo's second environment
-        truth = _peak(name, "native", False)
-        moded = _peak(name, "native", True)
-        dispatch = _peak(name, "dispatch", False)
+        truth = _peak(name, "native", False, args.batch_size)
+        moded = _peak(name, "native", True, args.batch_size)
+        dispatch = _peak(name, "dispatch", False, args.batch_size)
         report["models"][name] = {"native": truth, "native_with_python_mode": moded, "dispatch": dispatch}
         print(f"{name:16s} {truth:>15,d} {moded - truth:>+16,d} {dispatch - truth:>+15,d}  "
               f"({100 * (dispatch - truth) / truth:+.2f} %)", flush=True)
