@@ -73,7 +73,8 @@ def run_ranks(
     """Run ``target(rank, world_size)`` in ``world_size`` forked processes, in one process group.
 
     The process group (``backend``, rendezvous through a file) exists around
-    the call in each rank and is destroyed after it. Returns each rank's
+    the call in each rank and is destroyed after it returns (a rank whose call
+    raises leaves it by exiting). Returns each rank's
     return value, in rank order. Raises :class:`RankError` for the first rank
     that fails, TimeoutError after ``timeout`` seconds (with the stack of each
     rank still running: where it was stuck). ``on_rank(finished,
