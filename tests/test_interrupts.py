@@ -221,27 +221,6 @@ def test_an_interrupt_at_any_line_of_nbmem_leaves_nothing_behind(kind, training)
     assert_next_cell_exact()
 
 
-def _no_op() -> None:
-    pass
-
-
-def _disarm() -> int:
-    """Stop the timer, and take here an interrupt it already started: 1 if there was one.
-
-    The timer's Python handler runs at the interpreter's next check for signals,
-    and the SIGINT it raises at the check after that, so both can still be on
-    their way when the timer is stopped; each call of a Python function is a
-    check. Taken later, the KeyboardInterrupt would hit the test's own checks.
-    """
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    try:
-        _no_op()
-        _no_op()
-    except KeyboardInterrupt:
-        return 1
-    return 0
-
-
 def test_real_sigint_at_random_moments(training):
     model, optimizer, batch = training
     tracker = default_tracker("cpu")
@@ -257,9 +236,10 @@ def test_real_sigint_at_random_moments(training):
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 0.005))
                 for kind in ("tracked", "breakdown", "timeline"):
                     run_cell(kind, model, optimizer, batch, scopes)
-                interrupted += _disarm()
+                signal.setitimer(signal.ITIMER_REAL, 0)
             except KeyboardInterrupt:
-                interrupted += 1 + _disarm()
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                interrupted += 1
             # A Ctrl-C taken on the entry of a with statement's __exit__ (Python looks for signals on a
             # function's entry, before any try in it) never reaches stop(): the scope stays open, as
             # README's Limits say, and stopping it (as %unload_ext nbmem does) removes everything.
