@@ -34,7 +34,9 @@ asks unrelated objects for ``__class__`` (a lazy module attribute warns on it)
 and was 2x slower. The list ``gc.get_objects()`` returns is dropped before this
 returns, so no user tensor is held; nothing here calls ``gc.collect()``.
 Storages held only by C++ (what autograd saved for a backward not run yet)
-are not Python objects: the tracker finds those when an op uses them.
+are not Python objects: the tracker finds those when an op uses them. A
+gradient is made in C++ too, but it hangs off a Python object: each walk
+asks every leaf that requires grad it has met for its ``.grad``.
 
 >>> import torch
 >>> kept = torch.ones(3)
@@ -47,6 +49,7 @@ from __future__ import annotations
 import gc
 import itertools
 import sys
+import weakref
 from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -120,8 +123,35 @@ def walk(tracker: Any, adopt: bool, young: bool = False) -> None:
             if not tracker._on_device(tensor):
                 continue
             tracker._count(tensor, adopt=adopt)
+            if tensor.requires_grad and tensor.is_leaf:
+                tracker._leaves[id(tensor)] = weakref.ref(tensor)  # no callback: no Python for Ctrl-C to land in
             if adopt and isinstance(tensor, torch.nn.Parameter) and tracker._attribution is not None:
                 tracker._attribution.adopt_parameter(tensor)
     finally:
         del tensors
+    _count_gradients(tracker, adopt)
     tracker._walked = stamp if covered or not young else None
+
+
+def _count_gradients(tracker: Any, adopt: bool) -> None:
+    """The ``.grad`` of every leaf that requires grad a walk has met, as the walk counts a tensor.
+
+    Autograd makes a gradient in C++ (AccumulateGrad): it has no Python object
+    until someone asks for ``.grad``, so no walk of Python's objects finds it,
+    and a young walk never looks at an old leaf again. Without this, a
+    backward run between two scopes left its gradients out of the second
+    one's baseline, and their freeing (``zero_grad``) out of what it retained.
+    """
+    attribution = tracker._attribution
+    leaves = tracker._leaves
+    for key, ref in list(leaves.items()):
+        leaf = ref()
+        if leaf is None:
+            del leaves[key]  # dead: its id may be a new object's
+            continue
+        gradient = leaf.grad
+        if gradient is None or not tracker._on_device(gradient):
+            continue
+        if tracker._count(gradient, adopt=adopt) and adopt and attribution is not None:
+            owner = tracker.module_of(leaf) if isinstance(leaf, torch.nn.Parameter) else None
+            tracker.classify(gradient, "gradient", owner)

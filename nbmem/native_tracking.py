@@ -92,6 +92,7 @@ class NativeTracker(Activation):
         self._attribution: Attribution | None = None
         self._refused: dict[int, Any] = {}  # nothing is refused: no virtual capacity here
         self._walked: tuple[int, int] | None = None
+        self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}  # as Tracker's (see nbmem.live)
         # the storages adopted from a walk, by storage: (address, serial, weak reference). The
         # references' callbacks (C functions: no Python runs in them, so Ctrl-C can't be swallowed
         # there) free the block, that block only (its serial) if a resize moved the storage
@@ -281,31 +282,30 @@ class NativeTracker(Activation):
         if self._attribution is not None:
             self._attribution.settle()
 
-    def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
-        """A tensor found alive by the walk: its block adopted (or counted as made now), its death watched."""
+    def _count(self, tensor: torch.Tensor, adopt: bool) -> bool:
+        """A tensor found alive by the walk: its block adopted (or counted as made now), its death watched; True if new."""
         if type(tensor) not in _PLAIN and _wraps(type(tensor)) or tensor.layout is not torch.strided:
-            for part in _parts(tensor):
-                self._count(part, adopt)
-            return
+            return any([self._count(part, adopt) for part in _parts(tensor)])
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return
+            return False
         if not storage.resizable() or storage.device.type != "cpu":
-            return  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
+            return False  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
         key = storage._cdata
         address, nbytes = self._lib.nbmem_storage_address(key), storage.nbytes()
         if not address or not nbytes:
-            return
+            return False
         known = self._watched.get(key)
         if known is not None and known[2]() is storage:
             if known[0] == address:
-                return
+                return False
             self._lib.nbmem_release(known[0], known[1], None)  # resized in place since: its old block is gone
         serial = self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1)
         if serial:
             release = functools.partial(self._lib.nbmem_release, address, serial)
             self._watched[key] = (address, serial, weakref.ref(storage, release))
+        return bool(serial)
 
     # -- categories -----------------------------------------------------------
 

@@ -122,6 +122,8 @@ class Tracker(Activation):
         self._attribution: Any = None
         # the garbage collector's count when adopt_live last found every live tensor (see nbmem.live)
         self._walked: tuple[int, int] | None = None
+        # leaves that require grad, met by a walk, by id: each walk looks at their .grad (see nbmem.live)
+        self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}
         # who activated the tracker (a MemoryScope, None for a bare activate()): installed while any
         self._holders: list[object] = []
         self.scopes = PeakScopes(self)
@@ -405,7 +407,8 @@ class Tracker(Activation):
                 # ATen's lists hold one type (int[], float[], Tensor[], Tensor?[]): sizes and dims hold no tensor
                 self._adopt_all(value)
 
-    def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
+    def _count(self, tensor: torch.Tensor, adopt: bool) -> bool:
+        """Count a storage met (an op's output or input, or a walk's find) unless known; True if it was new."""
         __tracebackhide__ = True
         # Known storages first (a view's output, an in-place op's): only this
         # tracker's device is ever recorded, so they need no device test.
@@ -421,25 +424,23 @@ class Tracker(Activation):
                 # (round_allocation, inline: this runs for most ops)
                 if not adopt and -(-storage.nbytes() // self.block) * self.block != record.size:
                     self._resized(key, record, storage.nbytes())
-                return
+                return False
         if not self._on_device(tensor):
-            return
+            return False
         if storage is not None and not self.fake and storage.device.type == "meta":
-            return  # a fake tensor (an estimate's inside a tracked cell): it says "cpu", its storage holds nothing
+            return False  # a fake tensor (an estimate's inside a tracked cell): it says "cpu", its storage holds nothing
         if storage is None or (type(tensor) not in _PLAIN and _wraps(type(tensor))):
             # A sparse tensor has no storage of its own: its memory is that of
             # its index and value tensors; a DTensor's own storage is a
             # placeholder of the global size: its memory is its local shard.
             # Nested tensors are not counted.
-            for part in _parts(tensor):
-                self._count(part, adopt)
-            return
+            return any([self._count(part, adopt) for part in _parts(tensor)])
         if adopt and not self.adopt_unseen:
-            return
+            return False
         if not storage.resizable():
             # memory the allocator never gave: a NumPy array's, DLPack's (from_blob storages can't resize);
             # torch.tensor(ndarray) wraps the array before copying it (issue 12)
-            return
+            return False
         size = -(-storage.nbytes() // self.block) * self.block  # round_allocation, inline: once per new storage
         if not adopt and self.capacity is not None:
             self._check_capacity(size, storage)
@@ -466,6 +467,7 @@ class Tracker(Activation):
                 self._peak_detail.modules[module] = self._peak_detail.modules.get(module, 0) + size
         else:
             self._grow(size, module)
+        return True
 
     def _resized(self, key: int, record: StorageRecord, nbytes: int) -> None:
         """A storage resized in place (out= arguments, resize_, set_, ``storage.resize_``): count the change."""

@@ -22,6 +22,7 @@ from nbmem.native import NativeUnavailable, available
 from nbmem.scope import MemoryScope
 
 from test_interrupts import _interrupt_at_line, _lines_run, leftovers, live_cpu_bytes
+from test_track import assert_gradients_between_blocks_counted
 
 MiB = 1024**2
 
@@ -111,6 +112,10 @@ def test_the_baseline_is_every_storage_alive_even_one_the_block_never_touches():
         again = torch.ones(256, 1024)  # fits where held was: no new peak
     assert (scope.result.peak, scope.result.retained) == (0, MiB - 8 * MiB)
     del made, again
+
+
+def test_gradients_made_between_blocks_are_in_the_next_ones_baseline():
+    assert_gradients_between_blocks_counted(native)  # the default engine's test: tests/test_track.py
 
 
 def test_the_peak_of_a_training_step_is_the_allocators_own(mlp, one_thread):

@@ -481,3 +481,29 @@ def test_a_measurement_with_nbmems_tracker_alongside_says_the_tracker_can_raise_
     said = [note for note in measured.result.notes if "dispatch mode was on the stack" in note]
     assert measured.result.mode == "measured" and len(said) == int(tracker_runs)
     assert not said or "untested on CUDA" in said[0]
+
+
+def assert_gradients_between_blocks_counted(measure) -> None:
+    """Gradients made between two blocks are in the second one's baseline, and their freeing in what it retained.
+
+    Autograd makes a .grad in C++: no Python object, so no walk of Python's
+    objects found it, and a young walk never looked at the old leaf again.
+    Both engines left such gradients out (retained 0, not minus what
+    zero_grad freed). tests/test_native.py runs this with the native engine.
+    """
+    model = torch.nn.Linear(1024, 1024)
+    leaf = torch.randn(1024, 1024, requires_grad=True)  # a plain leaf, as tutorials write w
+    batch = torch.randn(16, 1024)
+    with measure():  # an earlier block: later walks look at the young generations only
+        pass
+    model(batch).sum().backward()
+    (batch @ leaf).sum().backward()  # gradients made between blocks
+    with measure(breakdown=True) as scope:
+        model.zero_grad(set_to_none=True)
+        leaf.grad = None
+    # 1024 * 1024 * 4 + 1024 * 4 bytes of the Linear's gradients, 1024 * 1024 * 4 of the leaf's
+    assert (scope.result.peak, scope.result.retained) == (0, -(4198400 + 4194304))
+
+
+def test_gradients_made_between_blocks_are_in_the_next_ones_baseline():
+    assert_gradients_between_blocks_counted(lambda **options: nbmem.measure("cpu", backend="tracked", **options))
