@@ -40,7 +40,7 @@ from .building import (
 )
 from .parallel import check_parallel, parallelize, per_device_batch, process_group
 from .results import Breakdown
-from .scope import MemoryScope
+from .scope import MemoryScope, tracker_alongside_note
 from .step import run_step
 from .tasks import CacheRecord, check_generator, check_task, run_generate, run_inference, sized_batch, task_lines, task_notes
 from .userstep import (
@@ -455,6 +455,7 @@ def estimate(
             "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "
             "cuBLAS/cuDNN workspaces the step allocated through the allocator"
         )
+        notes.append(tracker_alongside_note("step's run without the breakdown's tracker"))
     else:
         notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
         notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")

@@ -24,10 +24,22 @@ from .tracking import Recording, Tracker, default_tracker
 if TYPE_CHECKING:
     from .native_tracking import NativeTracker
 
-__all__ = ["MemoryScope", "measure", "track", "resolve_backend", "native_engine", "BACKENDS", "ENGINES"]
+__all__ = ["MemoryScope", "measure", "track", "resolve_backend", "native_engine", "tracker_alongside_note", "BACKENDS", "ENGINES"]
 
 Backend = Literal["auto", "cuda", "tracked"]
 BACKENDS = ("auto", "cuda", "tracked")
+
+def tracker_alongside_note(same_without: str) -> str:
+    """What a measurement with nbmem's tracker beside it says of its peak: ``same_without`` names the run without it.
+
+    While any Python dispatch mode is on the stack, ``at::isTensorSubclassLike``
+    answers yes for every tensor, and autograd sums some gradients out of place
+    (ATen/TensorSubclassLikeUtils.h; measured on the CPU, tests/test_native.py).
+    """
+    return (
+        "the tracker's Python dispatch mode was on the stack, and PyTorch then sums some gradients out of place: "
+        f"the measured peak can be a little above the same {same_without} (seen on the CPU; untested on CUDA)"
+    )
 Engine = Literal["dispatch", "native"]
 #: How tracked mode sees memory: every op through a Python dispatch mode (the
 #: default: exact storages, the op at the peak, virtual capacity, timelines), or
@@ -313,11 +325,7 @@ class MemoryScope:
         if tracker is not None and self.mode == "measured":
             if breakdown is not None:
                 notes.append("breakdown tracked alongside the measurement (tensors on the device, 512 B rounding)")
-            notes.append(
-                "the tracker's Python dispatch mode was on the stack, and PyTorch then sums some gradients out of "
-                "place: the measured peak can be a little above the same block's without --breakdown, --timeline "
-                "or --capacity (seen on the CPU; untested on CUDA)"
-            )
+            notes.append(tracker_alongside_note("block's without --breakdown, --timeline or --capacity"))
         return MemoryResult(
             mode=self.mode,  # type: ignore[arg-type]
             device=str(self.device),
