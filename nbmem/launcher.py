@@ -204,17 +204,23 @@ def _wait(processes: list[Any], folder: str, timeout: float, on_rank: Callable[[
         for rank, process in enumerate(processes):
             if process.exitcode is None and rank not in reported and _reported(folder, rank):
                 reported[rank] = now
-        # a failed rank ends the launch when it exits, or when it has not exited long after reporting
-        if any(p.exitcode not in (None, 0) for p in processes) or any(
-            now - seen > _REPORTED_EXIT_GRACE for seen in reported.values()
-        ):
+        # a failed rank ends the launch when it exits, when it has not exited long after reporting,
+        # and at the deadline: its error, not the timeout, is the cause
+        if any(p.exitcode not in (None, 0) for p in processes) or (reported and (
+            now > deadline or any(now - seen > _REPORTED_EXIT_GRACE for seen in reported.values())
+        )):
             rank = _first_failure(processes, folder)
             code = processes[rank].exitcode
-            raise RankError(rank, _failure(folder, rank, code, len(processes)), code, reported=_reported(folder, rank))
+            hung = ""
+            if code is None:  # it reported its error and never exited: where it hung since
+                hung = (f"\n(it reported the error below, then had not exited {now - reported.get(rank, now):.0f} s later"
+                        f"{_where_stuck(processes, folder, [rank])})")
+            raise RankError(rank, _failure(folder, rank, code, len(processes), hung), code,
+                            reported=_reported(folder, rank))
         if all(p.exitcode == 0 for p in processes):
             return
-        if now > deadline:
-            running = [rank for rank, p in enumerate(processes) if p.exitcode is None]
+        running = [rank for rank, p in enumerate(processes) if p.exitcode is None]
+        if now > deadline and running:
             raise TimeoutError(
                 f"the launch took longer than {timeout:g} s: rank(s) {running} still running were killed. "
                 f"Pass a larger timeout= if the step is slow.{_where_stuck(processes, folder, running)}"
@@ -222,43 +228,84 @@ def _wait(processes: list[Any], folder: str, timeout: float, on_rank: Callable[[
         processes[0].join(0.05)
 
 
-def _where_stuck(processes: list[Any], folder: str, running: list[int], lines: int = 30) -> str:
-    """Where the ranks still running at a timeout were stuck: the stacks SIGUSR1 makes them write to their logs.
+def _where_stuck(processes: list[Any], folder: str, running: list[int]) -> str:
+    """Where ranks still running were stuck: the stacks SIGUSR1 makes them write to their logs (up to 2 s).
 
     Each rank registers faulthandler for SIGUSR1 as it starts (``_rank_main``);
-    one that had not got that far yet dies of the signal, as it would be killed
-    anyway. The logs get a moment to receive the stacks, whose first ``lines``
-    (the innermost frames) are shown.
+    one that had not got that far yet dies of the signal, as it would be killed anyway.
     """
     sizes = {rank: _log_size(folder, rank) for rank in running}
     for rank in running:
         with contextlib.suppress(OSError):
             os.kill(processes[rank].pid, signal.SIGUSR1)
+    dumps = {rank: "" for rank in running}
     settle = time.monotonic() + 2.0
-    while time.monotonic() < settle and any(_log_size(folder, rank) == sizes[rank] for rank in running):
-        time.sleep(0.05)
-    time.sleep(0.1)  # the rest of a stack being written
+    while time.monotonic() < settle:
+        time.sleep(0.1)
+        grown = {rank: _read_log(folder, rank, sizes[rank]) for rank in running}
+        # every dump begun, and none still growing
+        if all("(most recent call first)" in text for text in grown.values()) and grown == dumps:
+            break
+        dumps = grown
     told = []
     for rank in running:
-        try:
-            with open(os.path.join(folder, f"rank{rank}.log")) as file:
-                file.seek(max(sizes[rank], 0))
-                stack = file.read().splitlines()[:lines]
-        except OSError:
-            stack = []
-        if stack:
-            told.append(f"\nwhere rank {rank} was stuck (its stack, innermost first):\n" + "\n".join(stack))
-        else:
-            told.append(f"\nrank {rank} wrote no stack: it was stuck before its Python code started (while being "
-                        f"forked).{_log_tail(folder, rank)}")
+        stacks = _stacks(dumps[rank])
+        told.append(f"\nwhere rank {rank} was stuck (innermost call first):\n{stacks}" if stacks else
+                    f"\nrank {rank} wrote no stack: it was stuck before its Python code started (while being forked), "
+                    f"or died meanwhile.{_log_tail(folder, rank)}")
     return "".join(told)
+
+
+def _stacks(dump: str, main_lines: int = 30, other_lines: int = 8) -> str:
+    r"""A faulthandler dump of every thread, shortened: the rank's main thread first, where faulthandler puts it last.
+
+    The main thread is cut at ``_rank_main`` (below it, the parent's frames the fork copied), to ``main_lines``
+    frames; each other thread to ``other_lines``; the rank's own prints around the dump are left out.
+
+    >>> dump = (
+    ...     'Thread 0x1 (most recent call first):\n  File "w.py", line 3 in helper\n\n'
+    ...     'Current thread 0x2 (most recent call first):\n  File "u.py", line 9 in target\n'
+    ...     '  File "nbmem/launcher.py", line 390 in _rank_main\n  File "process.py", line 108 in run\n'
+    ... )
+    >>> print(_stacks(dump))
+    Current thread 0x2 (most recent call first):
+      File "u.py", line 9 in target
+      File "nbmem/launcher.py", line 390 in _rank_main
+    Thread 0x1 (most recent call first):
+      File "w.py", line 3 in helper
+    """
+    blocks: list[list[str]] = []
+    for line in dump.splitlines():
+        if line.endswith("(most recent call first):"):
+            blocks.append([line])
+        elif blocks and line.startswith("  File "):
+            blocks[-1].append(line)
+    main = next((block for block in blocks if any(line.endswith(" in _rank_main") for line in block)), None)
+    shown = []
+    if main is not None:
+        end = next(index for index, line in enumerate(main) if line.endswith(" in _rank_main"))
+        shown += main[: min(end, main_lines) + 1]
+    for block in blocks:
+        if block is not main:
+            shown += block[: other_lines + 1]
+    return "\n".join(shown)
+
+
+def _read_log(folder: str, rank: int, offset: int = 0) -> str:
+    """What a rank's log holds from byte ``offset`` on ("" if unreadable); bytes that are not UTF-8 replaced."""
+    try:
+        with open(os.path.join(folder, f"rank{rank}.log"), "rb") as file:
+            file.seek(offset)
+            return file.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _log_size(folder: str, rank: int) -> int:
     try:
         return os.path.getsize(os.path.join(folder, f"rank{rank}.log"))
     except OSError:
-        return -1
+        return 0
 
 
 def _reported(folder: str, rank: int) -> bool:
@@ -301,14 +348,14 @@ def _finished_at(folder: str, rank: int) -> float:
         return float("inf")
 
 
-def _failure(folder: str, rank: int, code: int | None, world_size: int) -> str:
+def _failure(folder: str, rank: int, code: int | None, world_size: int, hung: str = "") -> str:
     try:
         with open(os.path.join(folder, f"rank{rank}.error")) as file:
             file.readline()  # when it failed
             text = file.read().rstrip()
     except OSError:
         text = f"it {_how_it_ended(code)} before reporting an error{_log_tail(folder, rank)}"
-    return f"rank {rank} of {world_size} failed, so the launch was stopped and every rank killed:\n{text}"
+    return f"rank {rank} of {world_size} failed, so the launch was stopped and every rank killed:{hung}\n{text}"
 
 
 def _how_it_ended(code: int | None) -> str:
@@ -337,11 +384,7 @@ def _how_it_ended(code: int | None) -> str:
 
 
 def _log_tail(folder: str, rank: int, lines: int = 20) -> str:
-    try:
-        with open(os.path.join(folder, f"rank{rank}.log")) as file:
-            tail = file.read().splitlines()[-lines:]
-    except OSError:
-        return ""
+    tail = _read_log(folder, rank).splitlines()[-lines:]
     return ("\nlast lines rank %d printed:\n" % rank + "\n".join(tail)) if tail else ""
 
 
@@ -364,11 +407,6 @@ def _stop(processes: list[Any]) -> None:
 def _rank_main(target: Callable[[int, int], Any], rank: int, world_size: int, backend: str, folder: str) -> None:
     code = 1
     try:
-        _die_with_parent()
-        # the parent's SIGTERM handler (see _cleanup_before_sigterm) came with the fork; a rank dies of SIGTERM
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        # and its SIGINT handler, which holds a Ctrl-C while ranks are forked (_Interrupts): Python's own here
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         log = open(os.path.join(folder, f"rank{rank}.log"), "w", buffering=1)
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
@@ -378,8 +416,14 @@ def _rank_main(target: Callable[[int, int], Any], rank: int, world_size: int, ba
         # a crash in native code (SIGSEGV, SIGABRT) writes the Python stack to the log, so the error
         # shows where it happened; a handler inherited from the parent would write to the parent's stderr
         faulthandler.enable(file=log)
-        # and SIGUSR1, which a launch that timed out sends, writes every thread's stack there: where it hung
+        # and SIGUSR1, which a launch that timed out sends, writes every thread's stack there: where it
+        # hung (first thing, so that even a hang in _die_with_parent's dlopen shows)
         faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+        _die_with_parent()
+        # the parent's SIGTERM handler (see _cleanup_before_sigterm) came with the fork; a rank dies of SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # and its SIGINT handler, which holds a Ctrl-C while ranks are forked (_Interrupts): Python's own here
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import torch.distributed as dist
 
         dist.init_process_group(

@@ -50,9 +50,16 @@ def _alive(pid: int) -> bool:
 
 def test_a_failing_rank_stops_the_launch_with_its_error_and_leaves_no_process(tmp_path):
     def target(rank, world_size):
-        (tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+        (tmp_path / f"pid{rank}.tmp").write_text(str(os.getpid()))
+        os.replace(tmp_path / f"pid{rank}.tmp", tmp_path / f"pid{rank}")  # whole, whenever rank 1 sees it
         print(f"rank {rank} says hello")
         if rank == 1:
+            # not before rank 0 has written its pid: a rank that fails leaves at once, and its peer may be
+            # killed (or fail on the lost connection) before it got that far
+            for _ in range(6000):
+                if (tmp_path / "pid0").exists():
+                    break
+                time.sleep(0.01)
             raise ValueError("boom on rank 1")
         time.sleep(FOREVER)  # would outlive the launch if nbmem did not kill it
 
@@ -108,10 +115,36 @@ def test_a_rank_that_reported_its_error_but_does_not_exit_still_ends_the_launch(
             raise ValueError("boom on rank 1")
         time.sleep(FOREVER)
 
-    # RankError soon after the report, not TimeoutError after 600 s
+    # RankError soon after the report, not TimeoutError after 600 s; with where the rank hung since
     with pytest.raises(RankError, match="rank 1 of 2 failed") as raised:
         run_ranks(target, 2, timeout=600)
-    assert raised.value.exitcode is None and "ValueError: boom on rank 1" in str(raised.value)
+    message = str(raised.value)
+    assert raised.value.exitcode is None and raised.value.kind == "ValueError"
+    assert "ValueError: boom on rank 1" in message and "then had not exited" in message
+    stack = message.split("where rank 1 was stuck")[1]
+    assert "in report_then_hang" in stack and "in _rank_main" in stack
+    assert "in run_ranks" not in stack  # the parent's frames, which the fork copied, are left out
+
+
+def test_a_reported_error_not_a_timeout_ends_a_launch_whose_deadline_comes_first(monkeypatch):
+    reported = launcher._report
+
+    def report_then_hang(folder, rank):
+        reported(folder, rank)
+        time.sleep(FOREVER)
+
+    monkeypatch.setattr(launcher, "_report", report_then_hang)
+    monkeypatch.setattr(launcher, "_REPORTED_EXIT_GRACE", FOREVER)  # the deadline comes first
+
+    def target(rank, world_size):
+        if rank == 1:
+            raise ValueError("boom on rank 1")
+        time.sleep(FOREVER)
+
+    # 20 s leaves a busy machine time to start the ranks and report (as test_timeout_kills_every_rank)
+    with pytest.raises(RankError, match="rank 1 of 2 failed") as raised:
+        run_ranks(target, 2, timeout=20)
+    assert "ValueError: boom on rank 1" in str(raised.value)
 
 
 def _die(how: str) -> None:
