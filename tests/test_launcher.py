@@ -101,23 +101,29 @@ def test_timeout_kills_every_rank(tmp_path):
         assert "most recent call first" in stack and "in target" in stack
 
 
-def test_a_rank_that_reported_its_error_but_does_not_exit_still_ends_the_launch(monkeypatch):
+@pytest.fixture
+def report_then_hang(monkeypatch):
+    """Each rank reports its error, then hangs (e.g. a teardown stuck on a peer): the forked ranks have
+    the launcher module as patched here."""
     reported = launcher._report
 
     def report_then_hang(folder, rank):
         reported(folder, rank)
-        time.sleep(FOREVER)  # e.g. a teardown stuck on a peer; the forked rank has this module as patched
+        time.sleep(FOREVER)
 
     monkeypatch.setattr(launcher, "_report", report_then_hang)
 
-    def target(rank, world_size):
-        if rank == 1:
-            raise ValueError("boom on rank 1")
-        time.sleep(FOREVER)
 
+def _boom_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom on rank 1")
+    time.sleep(FOREVER)
+
+
+def test_a_rank_that_reported_its_error_but_does_not_exit_still_ends_the_launch(report_then_hang):
     # RankError soon after the report, not TimeoutError after 600 s; with where the rank hung since
     with pytest.raises(RankError, match="rank 1 of 2 failed") as raised:
-        run_ranks(target, 2, timeout=600)
+        run_ranks(_boom_on_rank_1, 2, timeout=600)
     message = str(raised.value)
     assert raised.value.exitcode is None and raised.value.kind == "ValueError"
     assert "ValueError: boom on rank 1" in message and "then had not exited" in message
@@ -126,24 +132,11 @@ def test_a_rank_that_reported_its_error_but_does_not_exit_still_ends_the_launch(
     assert "in run_ranks" not in stack  # the parent's frames, which the fork copied, are left out
 
 
-def test_a_reported_error_not_a_timeout_ends_a_launch_whose_deadline_comes_first(monkeypatch):
-    reported = launcher._report
-
-    def report_then_hang(folder, rank):
-        reported(folder, rank)
-        time.sleep(FOREVER)
-
-    monkeypatch.setattr(launcher, "_report", report_then_hang)
+def test_a_reported_error_not_a_timeout_ends_a_launch_whose_deadline_comes_first(report_then_hang, monkeypatch):
     monkeypatch.setattr(launcher, "_REPORTED_EXIT_GRACE", FOREVER)  # the deadline comes first
-
-    def target(rank, world_size):
-        if rank == 1:
-            raise ValueError("boom on rank 1")
-        time.sleep(FOREVER)
-
     # 20 s leaves a busy machine time to start the ranks and report (as test_timeout_kills_every_rank)
     with pytest.raises(RankError, match="rank 1 of 2 failed") as raised:
-        run_ranks(target, 2, timeout=20)
+        run_ranks(_boom_on_rank_1, 2, timeout=20)
     assert "ValueError: boom on rank 1" in str(raised.value)
 
 
