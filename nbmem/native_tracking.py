@@ -3,8 +3,9 @@
 The default engine (:mod:`nbmem.tracking`) sees every ATen op through a Python
 dispatch mode; PyTorch charges any such mode 1.05-1.13x on small training steps
 before it does anything (``benchmarks/bench_mode_floor.py``), and a mode on the
-stack changes a little what PyTorch allocates (autograd accumulates gradients
-out of place when Python holds a reference). The native engine takes no trip
+stack changes a little what PyTorch allocates (with one on the stack,
+``at::isTensorSubclassLike`` is true of every tensor, and autograd accumulates
+gradients out of place). The native engine takes no trip
 into Python per op: c10's CPU allocator is wrapped by a small C++ one
 (``nbmem/_native/allocations.cpp``, built once by :mod:`nbmem.native`) that,
 while a block is tracked, counts each allocation and, whenever it happens, its
