@@ -152,6 +152,9 @@ def _count_gradients(tracker: Any, adopt: bool) -> None:
         gradient = leaf.grad
         if gradient is None or not tracker._on_device(gradient):
             continue
-        if tracker._count(gradient, adopt=adopt) and adopt and attribution is not None:
+        tracker._count(gradient, adopt=adopt)
+        # classified every time (a no-op once it is): the walk may have met the gradient itself first,
+        # as "other" (one whose Python object someone asked for), where its old leaf was not walked
+        if adopt and attribution is not None:
             owner = tracker.module_of(leaf) if isinstance(leaf, torch.nn.Parameter) else None
             tracker.classify(gradient, "gradient", owner)

@@ -283,30 +283,31 @@ class NativeTracker(Activation):
         if self._attribution is not None:
             self._attribution.settle()
 
-    def _count(self, tensor: torch.Tensor, adopt: bool) -> bool:
-        """A tensor found alive by the walk: its block adopted (or counted as made now), its death watched; True if new."""
+    def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
+        """A tensor found alive by the walk: its block adopted (or counted as made now), its death watched."""
         if type(tensor) not in _PLAIN and _wraps(type(tensor)) or tensor.layout is not torch.strided:
-            return any([self._count(part, adopt) for part in _parts(tensor)])
+            for part in _parts(tensor):
+                self._count(part, adopt)
+            return
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
-            return False
+            return
         if not storage.resizable() or storage.device.type != "cpu":
-            return False  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
+            return  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
         key = storage._cdata
         address, nbytes = self._lib.nbmem_storage_address(key), storage.nbytes()
         if not address or not nbytes:
-            return False
+            return
         known = self._watched.get(key)
         if known is not None and known[2]() is storage:
             if known[0] == address:
-                return False
+                return
             self._lib.nbmem_release(known[0], known[1], None)  # resized in place since: its old block is gone
         serial = self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1)
         if serial:
             release = functools.partial(self._lib.nbmem_release, address, serial)
             self._watched[key] = (address, serial, weakref.ref(storage, release))
-        return bool(serial)
 
     # -- categories -----------------------------------------------------------
 
@@ -321,6 +322,9 @@ class NativeTracker(Activation):
                 return  # an estimate's, inside a tracked block: it holds no memory
         address = self._address(tensor)
         if not address:
+            if tensor.layout is not torch.strided:  # a sparse tensor: what its indices and values are for
+                for part in _parts(tensor):
+                    self.classify(part, category, module)
             return
         module_id = _KEEP if module is None else self._module_id(module)
         if not self._lib.nbmem_classify(address, _RANK[category], module_id):

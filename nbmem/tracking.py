@@ -349,8 +349,8 @@ class Tracker(Activation):
             return
         if not self._on_device(tensor):
             return
-        if is_traceable_wrapper_subclass(tensor):  # a DTensor: what its local shard is for
-            for part in _parts(tensor):
+        if is_traceable_wrapper_subclass(tensor) or tensor.layout is not torch.strided:
+            for part in _parts(tensor):  # a DTensor's local shard, a sparse tensor's indices and values
                 self.classify(part, category, module)
             return
         key = self.storage_key(tensor)
@@ -407,8 +407,7 @@ class Tracker(Activation):
                 # ATen's lists hold one type (int[], float[], Tensor[], Tensor?[]): sizes and dims hold no tensor
                 self._adopt_all(value)
 
-    def _count(self, tensor: torch.Tensor, adopt: bool) -> bool:
-        """Count a storage met (an op's output or input, or a walk's find) unless known; True if it was new."""
+    def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
         __tracebackhide__ = True
         # Known storages first (a view's output, an in-place op's): only this
         # tracker's device is ever recorded, so they need no device test.
@@ -424,23 +423,25 @@ class Tracker(Activation):
                 # (round_allocation, inline: this runs for most ops)
                 if not adopt and -(-storage.nbytes() // self.block) * self.block != record.size:
                     self._resized(key, record, storage.nbytes())
-                return False
+                return
         if not self._on_device(tensor):
-            return False
+            return
         if storage is not None and not self.fake and storage.device.type == "meta":
-            return False  # a fake tensor (an estimate's inside a tracked cell): it says "cpu", its storage holds nothing
+            return  # a fake tensor (an estimate's inside a tracked cell): it says "cpu", its storage holds nothing
         if storage is None or (type(tensor) not in _PLAIN and _wraps(type(tensor))):
             # A sparse tensor has no storage of its own: its memory is that of
             # its index and value tensors; a DTensor's own storage is a
             # placeholder of the global size: its memory is its local shard.
             # Nested tensors are not counted.
-            return any([self._count(part, adopt) for part in _parts(tensor)])
+            for part in _parts(tensor):
+                self._count(part, adopt)
+            return
         if adopt and not self.adopt_unseen:
-            return False
+            return
         if not storage.resizable():
             # memory the allocator never gave: a NumPy array's, DLPack's (from_blob storages can't resize);
             # torch.tensor(ndarray) wraps the array before copying it (issue 12)
-            return False
+            return
         size = -(-storage.nbytes() // self.block) * self.block  # round_allocation, inline: once per new storage
         if not adopt and self.capacity is not None:
             self._check_capacity(size, storage)
@@ -467,7 +468,6 @@ class Tracker(Activation):
                 self._peak_detail.modules[module] = self._peak_detail.modules.get(module, 0) + size
         else:
             self._grow(size, module)
-        return True
 
     def _resized(self, key: int, record: StorageRecord, nbytes: int) -> None:
         """A storage resized in place (out= arguments, resize_, set_, ``storage.resize_``): count the change."""

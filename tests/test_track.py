@@ -503,6 +503,20 @@ def assert_gradients_between_blocks_counted(measure) -> None:
         leaf.grad = None
     # 1024 * 1024 * 4 + 1024 * 4 bytes of the Linear's gradients, 1024 * 1024 * 4 of the leaf's
     assert (scope.result.peak, scope.result.retained) == (0, -(4198400 + 4194304))
+    breakdown = scope.result.breakdown  # at the peak: the start; other tests' gradients may be alive too
+    assert dict(breakdown.at_peak)["gradient"] - dict(breakdown.after)["gradient"] == 4198400 + 4194304
+
+    # a sparse gradient, and one whose Python object the walk meets itself
+    embedding = torch.nn.Embedding(100000, 64, sparse=True)
+    with measure():
+        pass
+    embedding(torch.arange(1000)).sum().backward()
+    with measure(breakdown=True) as scope:
+        embedding.zero_grad(set_to_none=True)
+    # indices 1 * 1000 * 8 bytes (8192 rounded to 512), values 1000 * 64 * 4 = 256000
+    assert scope.result.retained == -(8192 + 256000)
+    breakdown = scope.result.breakdown
+    assert dict(breakdown.at_peak)["gradient"] - dict(breakdown.after)["gradient"] == 8192 + 256000
 
 
 def test_gradients_made_between_blocks_are_in_the_next_ones_baseline():
