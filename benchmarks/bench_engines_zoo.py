@@ -34,24 +34,17 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import nbmem
 from nbmem.step import run_step
 
 from _environment import environment, write_json
+from bench_overhead import EmptyMode  # a dispatch mode that only runs each op
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 from _zoo import ZOO  # noqa: E402  (the tests' zoo: the same models and batches)
 
 BATCH = 8  # the default; --batch-size sets another
-
-
-class _EmptyMode(TorchDispatchMode):
-    """A Python dispatch mode that only runs each op: what being on the stack costs in allocations."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        return func(*args, **(kwargs or {}))
 
 
 def _peak(name: str, engine: str, empty_mode: bool, batch_size: int) -> int:
@@ -66,7 +59,7 @@ def _peak(name: str, engine: str, empty_mode: bool, batch_size: int) -> int:
     step()  # the optimizer's state exists from here on, as in every step after the first
     with nbmem.measure("cpu", engine=engine) as scope:  # type: ignore[arg-type]
         if empty_mode:
-            with _EmptyMode():
+            with EmptyMode():
                 step()
         else:
             step()

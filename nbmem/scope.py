@@ -28,18 +28,6 @@ __all__ = ["MemoryScope", "measure", "track", "resolve_backend", "native_engine"
 
 Backend = Literal["auto", "cuda", "tracked"]
 BACKENDS = ("auto", "cuda", "tracked")
-
-def tracker_alongside_note(same_without: str) -> str:
-    """What a measurement with nbmem's tracker beside it says of its peak: ``same_without`` names the run without it.
-
-    While any Python dispatch mode is on the stack, ``at::isTensorSubclassLike``
-    answers yes for every tensor, and autograd sums some gradients out of place
-    (ATen/TensorSubclassLikeUtils.h; measured on the CPU, tests/test_native.py).
-    """
-    return (
-        "the tracker's Python dispatch mode was on the stack, and PyTorch then sums some gradients out of place: "
-        f"the measured peak can be a little above the same {same_without} (seen on the CPU; untested on CUDA)"
-    )
 Engine = Literal["dispatch", "native"]
 #: How tracked mode sees memory: every op through a Python dispatch mode (the
 #: default: exact storages, the op at the peak, virtual capacity, timelines), or
@@ -90,6 +78,19 @@ def resolve_backend(backend: str = "auto", device: str | torch.device | None = N
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return ("measured" if device.type == "cuda" else "tracked"), device
+
+
+def tracker_alongside_note(same_without: str) -> str:
+    """What a measurement with nbmem's tracker beside it says of its peak: ``same_without`` names the run without it.
+
+    While any Python dispatch mode is on the stack, ``at::isTensorSubclassLike``
+    answers yes for every tensor, and autograd sums some gradients out of place
+    (ATen/TensorSubclassLikeUtils.h; measured on the CPU, tests/test_native.py).
+    """
+    return (
+        "the tracker's Python dispatch mode was on the stack, and PyTorch then sums some gradients out of place: "
+        f"the measured peak can be a little above the same {same_without} (seen on the CPU; untested on CUDA)"
+    )
 
 
 class MemoryScope:
