@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem.estimation import estimate
+from nbmem.estimation.estimate import estimate
 
 from _environment import write_json
 

@@ -5,7 +5,7 @@ Run: python benchmarks/bench_engines_zoo.py [--batch-size 8] [--threads N] [--js
 
 For each Hugging Face model of the zoo (tests/_zoo.py: GPT-2, Llama, BERT
 twice, T5, ViT, Llama with LoRA; built from configs, random weights), nbmem's
-own training step (nbmem.step.run_step: forward, default loss, backward,
+own training step (nbmem.estimation.step.run_step: forward, default loss, backward,
 AdamW step, zero_grad) runs once to create the optimizer state, then once
 more inside each of:
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 import nbmem
-from nbmem.step import run_step
+from nbmem.estimation.step import run_step
 
 from _environment import environment, write_json
 from bench_overhead import EmptyMode  # a dispatch mode that only runs each op

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem.explorer import Explorer
+from nbmem.frontend.explorer import Explorer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _environment import environment, write_json  # noqa: E402

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nbmem  # noqa: E402
 from _environment import environment, parse_with_threads, write_json  # noqa: E402
 from bench_overhead import workloads  # noqa: E402  (the same workloads as the overhead benchmark)
-from nbmem.live_gauge import INTERVAL, GaugeReading, LiveGauge  # noqa: E402
+from nbmem.frontend.live_gauge import INTERVAL, GaugeReading, LiveGauge  # noqa: E402
 
 
 def show(reading: GaugeReading) -> None:

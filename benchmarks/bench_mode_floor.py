@@ -42,7 +42,7 @@ class CountingMode(TorchDispatchMode):
 class EmptyMode(TorchDispatchMode):
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # no Dynamo wrapper, as nbmem's own mode (nbmem/dispatch.py)
+        return False  # no Dynamo wrapper, as nbmem's own mode (nbmem/tracking/dispatch.py)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         return func(*args, **(kwargs or {}))

@@ -20,14 +20,14 @@ Run: python benchmarks/bench_overhead.py [--json results.json]
    A deliberately tiny MLP shows the worst case, where the fixed
    per-operation cost dominates.
 
-   nbmem's native engine (``engine="native"``, nbmem.native_tracking: the CPU
+   nbmem's native engine (``engine="native"``, nbmem.tracking.native_tracking: the CPU
    allocator wrapped, its blocks counted in C++, the same attribution hooks) runs in
    the same rounds, breakdown on, and its peak of one step is set beside the
    allocator events' (below) and the default engine's.
 
    Two more columns show the floors of the two designs considered: an empty
    dispatch mode as nbmem's runs (unwrapped, its code marked for Dynamo to
-   skip, see nbmem.dispatch), and the profiler recording allocator events
+   skip, see nbmem.tracking.dispatch), and the profiler recording allocator events
    only (no ops: a non-CPU activity on this CPU-only torch), the cheapest way
    to see every CPU allocation without Python per op.
 3. The allocator's events against both engines: one step recorded each way,
@@ -58,8 +58,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nbmem
-from nbmem import counters, scope
-from nbmem.native_tracking import native_tracker
+from nbmem.tracking import counters; from nbmem.tracking import scope
+from nbmem.tracking.native_tracking import native_tracker
 
 from _environment import environment, parse_with_threads, write_json
 
@@ -394,7 +394,7 @@ def summary(steps: dict[str, dict]) -> str:
                 f"{name if clock == 'wall' else '':<48}{row['ops_per_step'] if clock == 'wall' else '':>5}{clock:>6}"
                 f"{row[f'bare{suffix}_ms']:>9.2f}" + "".join(f"{row[f'{key}{suffix}_slowdown']:>10.2f}x" for key in COLUMNS)
             )
-    lines.append("empty: an empty dispatch mode as PyTorch wraps it; empty*: as nbmem runs its own (nbmem.dispatch);")
+    lines.append("empty: an empty dispatch mode as PyTorch wraps it; empty*: as nbmem runs its own (nbmem.tracking.dispatch);")
     lines.append("nbmem: the default (dispatch) engine; native: engine='native' (both with the breakdown's hooks);")
     lines.append("alloc-ev: the profiler recording allocator events only. Allocator events against nbmem's tracking, one step:")
     for name, row in steps.items():

@@ -31,8 +31,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 import nbmem
-from nbmem import categories, tracking
-from nbmem.dispatch import TrackingMode
+from nbmem.tracking import categories, tracker as tracking
+from nbmem.tracking.dispatch import TrackingMode
 
 from _environment import write_json
 from bench_overhead import EmptyMode, EmptySkippedMode, training_step, workloads

@@ -22,10 +22,10 @@ import matplotlib
 import torch
 
 import nbmem
-from nbmem.charts import figure_png, timeline_figure
-from nbmem.scope import MemoryScope
-from nbmem.timeline import build_timeline
-from nbmem.tracking import Tracker
+from nbmem.core.charts import figure_png, timeline_figure
+from nbmem.tracking.scope import MemoryScope
+from nbmem.tracking.timeline import build_timeline
+from nbmem.tracking.tracker import Tracker
 
 from _environment import write_json
 

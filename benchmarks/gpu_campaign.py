@@ -291,7 +291,7 @@ print(json.dumps(found))
 def fixed_costs(budget: Budget) -> dict[str, Any]:
     found = _run_python(_FIXED_COSTS, budget.left(), str(_device_used()))
     if "error" not in found:
-        from nbmem.estimation import estimate
+        from nbmem.estimation.estimate import estimate
 
         build = lambda: nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1))  # noqa: E731
         estimated = estimate(build, lambda n: torch.randn(n, 64, 56, 56), batch_size=32, optimizer="sgd")
@@ -338,7 +338,7 @@ def _zoo() -> dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any]]]:
 
 
 def _one(mode: str, build: Any, make: Any, knobs: dict[str, Any]) -> dict[str, Any]:
-    from nbmem.estimation import estimate
+    from nbmem.estimation.estimate import estimate
 
     try:
         if mode == "measured":
@@ -430,7 +430,7 @@ def magic(budget: Budget) -> dict[str, Any]:
     try:
         import nbformat
 
-        from nbmem.cli import profile_notebook
+        from nbmem.frontend.cli import profile_notebook
     except ImportError as missing:
         found["profile"] = f"not run: {missing} (carry the wheels, benchmarks/README.md)"
         return found
@@ -448,8 +448,8 @@ def magic(budget: Budget) -> dict[str, Any]:
 
 
 def max_batch(budget: Budget) -> dict[str, Any]:
-    from nbmem.estimation import estimate
-    from nbmem.batchsize import max_batch_size
+    from nbmem.estimation.estimate import estimate
+    from nbmem.whatif.batchsize import max_batch_size
 
     build = lambda: nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 10))  # noqa: E731
     make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))  # noqa: E731

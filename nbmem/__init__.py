@@ -45,58 +45,61 @@ __all__ = [
     "PRESETS",
     "format_bytes",
     "parse_bytes",
+    "profile_notebook",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
 
 # name -> module that defines it; loaded on first use (PEP 562).
 _LAZY = {
-    "measure": "scope",
-    "track": "scope",
-    "MemoryScope": "scope",
-    "MemoryResult": "results",
-    "History": "results",
-    "Tracker": "tracking",
-    "history": "magics",
-    "estimate": "estimation",
-    "estimating": "userstep",
-    "sweep": "whatif",
-    "max_batch_size": "batchsize",
-    "explore": "explorer",
-    "launch": "launcher",
-    "Launch": "launcher",
-    "STRATEGIES": "parallel",
-    "Comparison": "comparison",
-    "Estimate": "estimation",
-    "free": "reclaim",
-    "Reclaimed": "reclaim",
-    "diagnose": "diagnosis",
-    "Breakdown": "results",
-    "Timeline": "timeline",
-    "PRESETS": "devices",
-    "format_bytes": "units",
-    "parse_bytes": "units",
+    "measure": "tracking.scope",
+    "track": "tracking.scope",
+    "MemoryScope": "tracking.scope",
+    "MemoryResult": "core.results",
+    "History": "core.results",
+    "Tracker": "tracking.tracker",
+    "history": "frontend.magics",
+    "estimate": "estimation.estimate",
+    "estimating": "estimation.userstep",
+    "sweep": "whatif.sweep",
+    "max_batch_size": "whatif.batchsize",
+    "explore": "frontend.explorer",
+    "launch": "whatif.launcher",
+    "Launch": "whatif.launcher",
+    "STRATEGIES": "estimation.parallel",
+    "Comparison": "whatif.comparison",
+    "Estimate": "estimation.estimate",
+    "free": "tracking.reclaim",
+    "Reclaimed": "tracking.reclaim",
+    "diagnose": "tracking.diagnosis",
+    "Breakdown": "core.results",
+    "Timeline": "tracking.timeline",
+    "PRESETS": "core.devices",
+    "format_bytes": "core.units",
+    "parse_bytes": "core.units",
+    "profile_notebook": "frontend.profiling",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .devices import PRESETS
-    from .diagnosis import diagnose
-    from .estimation import Estimate, estimate
-    from .explorer import explore
-    from .launcher import Launch, launch
-    from .parallel import STRATEGIES
-    from .batchsize import max_batch_size
-    from .comparison import Comparison
-    from .whatif import sweep
-    from .magics import history
-    from .reclaim import Reclaimed, free
-    from .results import Breakdown
-    from .timeline import Timeline
-    from .results import History, MemoryResult
-    from .scope import MemoryScope, measure, track
-    from .tracking import Tracker
-    from .userstep import estimating
-    from .units import format_bytes, parse_bytes
+    from .core.devices import PRESETS
+    from .tracking.diagnosis import diagnose
+    from .estimation.estimate import Estimate, estimate
+    from .frontend.explorer import explore
+    from .whatif.launcher import Launch, launch
+    from .estimation.parallel import STRATEGIES
+    from .whatif.batchsize import max_batch_size
+    from .whatif.comparison import Comparison
+    from .whatif.sweep import sweep
+    from .frontend.magics import history
+    from .tracking.reclaim import Reclaimed, free
+    from .core.results import Breakdown
+    from .tracking.timeline import Timeline
+    from .core.results import History, MemoryResult
+    from .tracking.scope import MemoryScope, measure, track
+    from .tracking.tracker import Tracker
+    from .estimation.userstep import estimating
+    from .core.units import format_bytes, parse_bytes
+    from .frontend.profiling import profile_notebook
 
 
 def __getattr__(name: str) -> Any:
@@ -127,7 +130,7 @@ def load_ipython_extension(ipython: Any) -> None:
 
     or from code, with the shell: ``nbmem.load_ipython_extension(get_ipython())``.
     """
-    from .magics import load
+    from .frontend.magics import load
 
     load(ipython)
 
@@ -143,8 +146,8 @@ def unload_ipython_extension(ipython: Any) -> None:
         %unload_ext nbmem
         %reload_ext nbmem
     """
-    from .magics import unload
-    from .tracking import remove_every_tracker
+    from .frontend.magics import unload
+    from .tracking.tracker import remove_every_tracker
 
     try:
         unload(ipython)

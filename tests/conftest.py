@@ -18,7 +18,7 @@ import torch
 
 # Doctests (--doctest-modules) that start processes: in the slow tier like the
 # tests that do (issue 12). A doctest can't carry a marker, so it is named here.
-SLOW_DOCTESTS = frozenset({"nbmem.launcher.launch"})  # forks 2 ranks in a gloo process group
+SLOW_DOCTESTS = frozenset({"nbmem.whatif.launcher.launch"})  # forks 2 ranks in a gloo process group
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

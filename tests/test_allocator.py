@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbmem.allocator import CachingAllocatorSimulation, segment_size
+from nbmem.core.allocator import CachingAllocatorSimulation, segment_size
 
 KiB, MiB = 1024, 1024**2
 

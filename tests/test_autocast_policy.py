@@ -1,4 +1,4 @@
-"""CUDA's autocast lists on CPU tensors (nbmem.autocast_policy), against a fake-CUDA oracle and in exact bytes."""
+"""CUDA's autocast lists on CPU tensors (nbmem.estimation.autocast_policy), against a fake-CUDA oracle and in exact bytes."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from nbmem.autocast_policy import CPU_LOWER_PRECISION, CUDA_POLICY, CudaAutocastPolicy, registered_ops
-from nbmem.estimation import estimate
-from nbmem.scope import track
+from nbmem.estimation.autocast_policy import CPU_LOWER_PRECISION, CUDA_POLICY, CudaAutocastPolicy, registered_ops
+from nbmem.estimation.estimate import estimate
+from nbmem.tracking.scope import track
 
 # Each case builds its inputs on DEVICE (low: the autocast dtype) and returns the op's output, forward only.
 # The oracle runs them on fake "cuda" tensors with CUDA autocast on (DESIGN.md: a CPU-only build still
@@ -22,7 +22,7 @@ import json, sys
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from nbmem.autocast_policy import CudaAutocastPolicy
+from nbmem.estimation.autocast_policy import CudaAutocastPolicy
 
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}[sys.argv[1]]
 
@@ -188,7 +188,7 @@ def test_an_estimate_follows_cuda_for_layer_norm() -> None:
 
 
 def test_what_a_policy_registers_is_worked_out_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    import nbmem.autocast_policy as policy
+    import nbmem.estimation.autocast_policy as policy
 
     asked = []
     monkeypatch.setattr(policy, "registered_ops", lambda key: asked.append(key) or set())

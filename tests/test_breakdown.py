@@ -10,9 +10,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 import nbmem
-from nbmem.results import CATEGORIES
-from nbmem.scope import MemoryScope
-from nbmem.tracking import Tracker
+from nbmem.core.results import CATEGORIES
+from nbmem.tracking.scope import MemoryScope
+from nbmem.tracking.tracker import Tracker
 
 MiB = 1024**2
 # Linear(1024, 1024): 1024*1024*4 + 1024*4 = 4198400; Linear(1024, 10): 40960 + 40 -> 512

@@ -225,7 +225,7 @@ def test_a_long_tracked_cell_shows_the_live_gauge_then_its_report(browser: Any, 
         # and the probe comm of %load_ext was refused (closed) by JupyterLab: the kernel knows it is watched
         answered = page.evaluate(
             "async () => { const kernel = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
-            " let text = ''; const future = kernel.requestExecute({code: 'from nbmem import magics; "
+            " let text = ''; const future = kernel.requestExecute({code: 'from nbmem.frontend import magics; "
             "print(magics._registered(get_ipython()).session.frontend.answered)', store_history: false});"
             " future.onIOPub = (msg) => { if (msg.header.msg_type === 'stream') text += msg.content.text; };"
             " await future.done; return text; }"

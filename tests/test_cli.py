@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 from _processes import gone
-from nbmem import cli
+from nbmem.frontend import cli
 
 pytestmark = pytest.mark.slow
 
@@ -187,7 +187,7 @@ def test_a_signal_stops_the_run_in_one_line_kills_the_kernel_and_cleans_up(tmp_p
     temporary = tmp_path / "tmp"  # nbmem's log goes to TMPDIR: this one is the test's own
     temporary.mkdir()
     run = subprocess.Popen(
-        [sys.executable, "-m", "nbmem.cli", "profile", str(notebook)],
+        [sys.executable, "-m", "nbmem.frontend.cli", "profile", str(notebook)],
         env={**os.environ, "TMPDIR": str(temporary)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -217,7 +217,7 @@ def test_console_script_runs_as_a_module(tmp_path):
     notebook = write_notebook(tmp_path / "ok.ipynb", "import torch", "a = torch.zeros(1024, 1024)")
 
     done = subprocess.run(
-        [sys.executable, "-m", "nbmem.cli", "profile", str(notebook), "--backend", "tracked", "--max-peak", "4MiB"],
+        [sys.executable, "-m", "nbmem.frontend.cli", "profile", str(notebook), "--backend", "tracked", "--max-peak", "4MiB"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -315,7 +315,7 @@ def test_version_prints_the_package_version(capsys):
     code = (
         "import sys, nbmem\n"
         "assert nbmem.__version__\n"
-        "try:\n    __import__('nbmem.cli').cli.main(['--version'])\n"
+        "try:\n    __import__('nbmem.frontend.cli').cli.main(['--version'])\n"
         "except SystemExit:\n    pass\n"
         "print(sorted({'torch', 'nbclient', 'nbformat', 'IPython'} & set(sys.modules)))"
     )
@@ -325,14 +325,14 @@ def test_version_prints_the_package_version(capsys):
 
 
 def test_backend_choices_match_the_scope():
-    from nbmem.scope import BACKENDS
+    from nbmem.tracking.scope import BACKENDS
 
     assert cli.BACKEND_CHOICES == BACKENDS
 
 
 def test_import_is_light():
     # `nbmem --help` must not wait for torch or the Jupyter stack.
-    code = "import sys, nbmem.cli; print(sorted({'torch', 'nbclient', 'nbformat', 'IPython'} & set(sys.modules)))"
+    code = "import sys, nbmem.frontend.cli; print(sorted({'torch', 'nbclient', 'nbformat', 'IPython'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nbmem
-from nbmem.counters import cuda_counter
+from nbmem.tracking.counters import cuda_counter
 
 pytestmark = pytest.mark.cuda
 MiB = 1024**2

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from nbmem.devices import PRESETS, DevicePreset, parse_capacity, preset
+from nbmem.core.devices import PRESETS, DevicePreset, parse_capacity, preset
 
 GIB = 2**30
 MIB = 2**20

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import nbmem
-from nbmem import magics
+from nbmem.frontend import magics
 
 
 PUBLIC = {name: getattr(nbmem, name) for name in nbmem.__all__}

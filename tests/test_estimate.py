@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem.estimation import estimate, repeated_blocks
+from nbmem.estimation.estimate import estimate, repeated_blocks
 
 
 def mlp():

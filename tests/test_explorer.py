@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem import explorer as explorer_module
-from nbmem.explorer import Explorer
+from nbmem.frontend import explorer as explorer_module
+from nbmem.frontend.explorer import Explorer
 
 
 def build():

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, _CacheKeyState
 
-from nbmem.fakemode import FastKeyFakeTensorMode, new_fake_mode
+from nbmem.estimation.fakemode import FastKeyFakeTensorMode, new_fake_mode
 
 
 def both_keys(mode: FastKeyFakeTensorMode, func, args, kwargs=None):
@@ -174,7 +174,7 @@ def test_device_and_item_of_a_constant_answer_as_pytorchs_own():
 
 def test_a_foreach_op_answers_as_pytorchs_own_from_nbmems_cache(monkeypatch):
     """Adam's _foreach_sqrt returns a list, which PyTorch doesn't cache: nbmem does, with the same outputs."""
-    from nbmem import fakemode
+    from nbmem.estimation import fakemode
 
     mode = FastKeyFakeTensorMode()
     with mode:
@@ -290,7 +290,7 @@ def test_torch_tensor_of_a_number_answers_as_pytorchs_own(monkeypatch):
 
 def carrying_mode():
     """A fake mode and a tracker that rides on it, as an estimate pairs them."""
-    from nbmem.tracking import Tracker
+    from nbmem.tracking.tracker import Tracker
 
     mode = FastKeyFakeTensorMode()
     tracker = Tracker("cpu")

@@ -11,9 +11,9 @@ from torch import nn
 
 import nbmem
 from _zoo import ZOO, gpt2, llama, padded_batch
-from nbmem.allocator import round_allocation
-from nbmem.estimation import estimate
-from nbmem.finetune import head_of
+from nbmem.core.allocator import round_allocation
+from nbmem.estimation.estimate import estimate
+from nbmem.estimation.finetune import head_of
 from test_zoo import need, need_zoo
 
 
@@ -144,7 +144,7 @@ def test_each_preset_on_the_zoo_agrees_with_a_tracked_run(name, trainable, knobs
 
 
 def _trained_parameters(build, trainable):
-    from nbmem.finetune import apply_trainable
+    from nbmem.estimation.finetune import apply_trainable
 
     return [parameter for parameter in apply_trainable(build(), trainable, []).parameters() if parameter.requires_grad]
 
@@ -236,7 +236,7 @@ def test_launched_ranks_train_what_the_estimate_trains():
 
 def test_explorer_offers_what_trains():
     pytest.importorskip("ipywidgets")
-    from nbmem.explorer import Explorer
+    from nbmem.frontend.explorer import Explorer
 
     panel = Explorer(mlp, classes, batch_size=4, device="T4")
     menu = panel.controls["trainable"]

@@ -17,8 +17,9 @@ import torch
 from IPython.utils.capture import capture_output
 
 import nbmem
-from nbmem import _env, magics
-from nbmem.live_gauge import THREAD_NAME, GaugeReading, LiveGauge
+from nbmem.core import _env
+from nbmem.frontend import magics
+from nbmem.frontend.live_gauge import THREAD_NAME, GaugeReading, LiveGauge
 
 MiB = 1024**2
 
@@ -120,7 +121,7 @@ def watched(shell, monkeypatch):
     magics._registered(shell).session.frontend = probe
     monkeypatch.setattr(magics, "CELL_DELAY", 0.0)
     monkeypatch.setattr(magics, "LINE_DELAY", 0.0)
-    monkeypatch.setattr("nbmem.live_gauge.INTERVAL", 0.005)
+    monkeypatch.setattr("nbmem.frontend.live_gauge.INTERVAL", 0.005)
     shell.user_ns["torch"] = torch
     yield shell
     assert gauge_threads() == []
@@ -233,7 +234,7 @@ def test_nbclient_outputs_are_unchanged_by_the_gauge(tmp_path: Path):
         "%%gpumem --text --no-live\n" + LONG_CELL,
         "%%gpumem\n" + LONG_CELL,
         "%%gpumem --no-live\n" + LONG_CELL,
-        "from nbmem import magics\nprint(magics._registered(get_ipython()).session.frontend.answered)",
+        "from nbmem.frontend import magics\nprint(magics._registered(get_ipython()).session.frontend.answered)",
     ]
     path = tmp_path / "long.ipynb"
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in cells])

@@ -30,8 +30,8 @@ from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import nbmem
-from nbmem.scope import MemoryScope
-from nbmem.tracking import default_tracker
+from nbmem.tracking.scope import MemoryScope
+from nbmem.tracking.tracker import default_tracker
 
 MiB = 1024**2
 ORIGINAL_RESIZE = torch.UntypedStorage.resize_  # torch's own, read while nothing tracks
@@ -181,23 +181,25 @@ class _Interrupter:
 
 def _interrupted_at(target: int, cell: Callable[[], None]) -> bool:
     interrupter = _Interrupter(target)
+    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
     sys.settrace(interrupter)
     try:
         cell()
     except KeyboardInterrupt:
         return True
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return False
 
 
 def _count_events(cell: Callable[[], None]) -> int:
     counter = _Interrupter(-1)
+    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
     sys.settrace(counter)
     try:
         cell()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return counter.events
 
 
@@ -267,11 +269,12 @@ def test_a_storage_freed_while_ctrl_c_is_pending_is_still_counted_as_freed():
     live = tracker.allocated()
     unraisable: list[Any] = []
     hook, sys.unraisablehook = sys.unraisablehook, unraisable.append
+    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
     sys.settrace(_Interrupter(1))  # the first line of nbmem code that runs raises
     try:
         del doomed  # the storage dies here; no line of nbmem runs, so nothing can raise
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
         sys.unraisablehook = hook
     assert unraisable == []
     assert tracker.allocated() == live - MiB  # 256 * 1024 * 4 bytes
@@ -346,22 +349,24 @@ def _lines_run(cell: Callable[[], None], wanted: Callable[[Any], bool]) -> list[
 
         return line
 
+    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
     sys.settrace(note)
     try:
         cell()
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return lines
 
 
 def _interrupt_at_line(where: tuple[str, int], cell: Callable[[], None]) -> None:
+    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
     sys.settrace(_AtLine(where))
     try:
         cell()
     except KeyboardInterrupt:
         pass
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
 
 
 def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
@@ -371,7 +376,7 @@ def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
     cell = "y = model(torch.ones(4, 8)).sum()\ny.backward()\nmodel.zero_grad(set_to_none=True)\ny"
     run = lambda: shell.run_cell_magic("gpumem", "-q", cell)  # noqa: E731
     run()
-    magics = os.path.join(NBMEM, "magics.py")
+    magics = os.path.join(NBMEM, "frontend", "magics.py")
     lines = _lines_run(run, lambda code: code.co_filename == magics and code.co_name == "_measure_cell")
     assert len(lines) > 15
     for where in lines:
@@ -383,7 +388,8 @@ def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
 def test_an_interrupt_at_every_line_of_a_watched_cell_leaves_no_gauge_thread(shell, monkeypatch):
     """Issue 15: with the live gauge on, Ctrl-C on any line of the cell path, of starting the gauge
     or of stopping it leaves no nbmem thread alive (one whose stop() was skipped ends with its scope)."""
-    from nbmem import _env, live_gauge, magics as magics_module
+    from nbmem.core import _env
+    from nbmem.frontend import live_gauge, magics as magics_module
 
     from test_gauge import gauge_threads
 
@@ -396,7 +402,7 @@ def test_an_interrupt_at_every_line_of_a_watched_cell_leaves_no_gauge_thread(she
     cell = "y = model(torch.ones(4, 8)).sum()\ny.backward()\nmodel.zero_grad(set_to_none=True)\ny"
     run = lambda: shell.run_cell_magic("gpumem", "", cell)  # noqa: E731
     run()
-    files = (os.path.join(NBMEM, "magics.py"), os.path.join(NBMEM, "live_gauge.py"))
+    files = (os.path.join(NBMEM, "frontend", "magics.py"), os.path.join(NBMEM, "frontend", "live_gauge.py"))
     wanted = {"_measure_cell", "_live_gauge", "_stopped", "start", "stop"}
     lines = _lines_run(run, lambda code: code.co_filename in files and code.co_name in wanted)
     assert any(name == "_stopped" for name, _ in lines) and any(name == "start" for name, _ in lines)
@@ -420,13 +426,14 @@ def test_gpumem_on_stops_at_the_next_cell_a_scope_whose_stop_a_ctrl_c_cut_off(sh
             raise KeyboardInterrupt  # as a Ctrl-C taken on stop()'s entry, before its try
         return None
 
+    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
     sys.settrace(cut_off)
     try:
         shell.run_cell("model(torch.ones(1, 4)).sum().backward()")
     except KeyboardInterrupt:
         pass
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     assert not armed[0]
     assert leftovers(model) != []  # the scope is still open...
     shell.run_cell("x = 1")  # ...until the next cell begins

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from _processes import gone
-from nbmem import launcher
-from nbmem.launcher import RankError, run_ranks
+from nbmem.whatif import launcher
+from nbmem.whatif.launcher import RankError, run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -179,7 +179,7 @@ def test_sigterm_to_the_parent_removes_the_launch_folder_and_every_rank(tmp_path
     temporary.mkdir()
     script = (
         "import os, time\n"
-        "from nbmem.launcher import run_ranks\n"
+        "from nbmem.whatif.launcher import run_ranks\n"
         "def target(rank, world_size):\n"
         f"    open(os.path.join({str(tmp_path)!r}, f'pid{{rank}}'), 'w').write(str(os.getpid()))\n"
         "    time.sleep(300)\n"
@@ -215,7 +215,7 @@ def test_ctrl_c_from_every_rank_stops_the_launch_once_and_reaps_every_rank(
     left running (or as zombies). The third, sent from inside that loop,
     makes the test deterministic.
     """
-    from nbmem import launcher
+    from nbmem.whatif import launcher
     from test_parallel import _children
 
     stop = launcher._stop
@@ -239,7 +239,7 @@ def test_ctrl_c_from_every_rank_stops_the_launch_once_and_reaps_every_rank(
 
 
 def test_a_ctrl_c_while_ranks_are_reaped_after_a_good_launch_is_raised_after(default_sigint, monkeypatch):
-    from nbmem import launcher
+    from nbmem.whatif import launcher
     from test_parallel import _children
 
     stop = launcher._stop

@@ -9,9 +9,9 @@ from IPython.utils.capture import capture_output
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nbmem
-from nbmem import display
-from nbmem.results import MemoryResult
-from nbmem.tracking import default_tracker
+from nbmem.frontend import display
+from nbmem.core.results import MemoryResult
+from nbmem.tracking.tracker import default_tracker
 
 MiB = 1024**2
 TWO_TENSORS = "a = torch.zeros(1024, 1024)\nb = torch.zeros(1024, 1024)\ndel a\n"
@@ -97,7 +97,7 @@ def test_failing_cell_reports_failed_and_propagates_with_user_traceback(shell):
     assert isinstance(result.error_in_exec, ValueError)
     assert "FAILED with ValueError" in texts(captured)[0]
     assert 'raise ValueError("boom")' in captured.stdout  # the user's line in the traceback
-    assert "nbmem/magics.py" not in captured.stdout  # nbmem's frames are hidden
+    assert "nbmem/frontend/magics.py" not in captured.stdout  # nbmem's frames are hidden
     assert shell.user_ns["kept"].shape == (10,)  # state before the failure is kept
     assert nbmem.history(shell)[-1].error == "ValueError"
     assert _get_current_dispatch_mode() is None
@@ -265,7 +265,7 @@ def test_history_in_a_real_python_process_raises_the_advice():
 
 
 def test_profile_log_keeps_its_backend_whatever_the_notebook_turns_off(shell, tmp_path):
-    from nbmem.magics import log_every_cell
+    from nbmem.frontend.magics import log_every_cell
 
     log = tmp_path / "cells.jsonl"
     log_every_cell(shell, str(log), backend="tracked")
@@ -277,7 +277,7 @@ def test_profile_log_keeps_its_backend_whatever_the_notebook_turns_off(shell, tm
     assert len(lines) == 2 and '"mode": "tracked"' in lines[-1] and '"retained": 1024' in lines[-1]
     with pytest.raises(ValueError, match="needs a CUDA device"):
         log_every_cell(shell, str(log), backend="cuda") if not torch.cuda.is_available() else pytest.skip()
-    from nbmem.magics import _session
+    from nbmem.frontend.magics import _session
 
     _session(shell).log_path = None
 

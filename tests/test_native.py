@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem.categories import global_hooks, saved_tensors_hooks_installed
-from nbmem.native import NativeUnavailable, available
-from nbmem.scope import MemoryScope
+from nbmem.tracking.categories import global_hooks, saved_tensors_hooks_installed
+from nbmem.tracking.native import NativeUnavailable, available
+from nbmem.tracking.scope import MemoryScope
 
 from test_interrupts import _interrupt_at_line, _lines_run, leftovers, live_cpu_bytes
 from test_track import assert_gradients_between_blocks_counted
@@ -31,7 +31,7 @@ if not available():  # no C++ compiler here: CI sets NBMEM_REQUIRE_NATIVE, so th
         raise RuntimeError("NBMEM_REQUIRE_NATIVE is set but nbmem's native engine can't be built here (is g++ installed?)")
     pytest.skip("the native engine needs a C++ compiler", allow_module_level=True)
 
-from nbmem.native_tracking import native_tracker  # noqa: E402  (after the skip: it builds the library)
+from nbmem.tracking.native_tracking import native_tracker  # noqa: E402  (after the skip: it builds the library)
 
 
 def native(**options) -> MemoryScope:
@@ -345,7 +345,7 @@ def live_parameter_bytes() -> int:
 
 
 def test_later_blocks_walk_only_the_young_generations(monkeypatch):
-    from nbmem import live
+    from nbmem.tracking import live
 
     with native():
         pass
@@ -430,7 +430,7 @@ def test_unloading_puts_pytorchs_own_allocator_back(shell):
 
 
 def test_one_native_tracker_per_process():
-    from nbmem.native_tracking import NativeTracker
+    from nbmem.tracking.native_tracking import NativeTracker
 
     with pytest.raises(RuntimeError, match="process-wide"):
         NativeTracker()

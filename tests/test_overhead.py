@@ -18,9 +18,9 @@ import pytest
 import torch
 from torch import nn
 
-from nbmem import categories
-from nbmem.dispatch import TrackingMode
-from nbmem.tracking import Tracker
+from nbmem.tracking import categories
+from nbmem.tracking.dispatch import TrackingMode
+from nbmem.tracking.tracker import Tracker
 
 
 def test_dispatch_is_unwrapped_and_dynamo_traces_none_of_nbmems_frames():

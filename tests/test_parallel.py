@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 import nbmem
-from nbmem.explorer import Explorer
-from nbmem.launcher import RankError
-from nbmem.units import round_allocation
+from nbmem.frontend.explorer import Explorer
+from nbmem.whatif.launcher import RankError
+from nbmem.core.units import round_allocation
 
 
 class Block(nn.Module):

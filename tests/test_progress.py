@@ -25,8 +25,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 import nbmem
-from nbmem import _env
-from nbmem.progress import WIDGET_MIME, Progress, _WidgetView
+from nbmem.core import _env
+from nbmem.whatif.progress import WIDGET_MIME, Progress, _WidgetView
 from test_interrupts import leftovers
 from test_parallel import _children
 
@@ -217,7 +217,7 @@ def test_an_interrupted_batch_size_search_returns_what_it_established(how: Calla
 
 
 def test_a_second_ctrl_c_during_the_cleanup_interrupts_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbmem import whatif
+    from nbmem.whatif import sweep as whatif
 
     model, batch, built = interrupting(16, _raise)  # the first Ctrl-C: in the second configuration
     isolated: list[str] = []
@@ -320,7 +320,7 @@ def test_notebook_text_outputs_are_unchanged_by_progress(tmp_path: Path) -> None
 
 @pytest.mark.slow
 def test_the_explorers_real_check_shows_its_ranks_finishing() -> None:
-    from nbmem.explorer import Explorer
+    from nbmem.frontend.explorer import Explorer
 
     panel = Explorer(build, make, batch_size=8, device="T4", optimizer="sgd", parallel="ddp", world_size=2)
     shown: list[str] = []

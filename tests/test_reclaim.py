@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from nbmem.reclaim import Reclaimed, free
-from nbmem.tracking import default_tracker
+from nbmem.tracking.reclaim import Reclaimed, free
+from nbmem.tracking.tracker import default_tracker
 
 LEAK = 4096 * 1024 * 4  # 16777216 bytes, 16 MiB
 OUTPUT = 1024 * 256 * 4  # 1048576 bytes, 1 MiB
@@ -300,13 +300,13 @@ def test_kernel_keeps_nothing_after_free():
     from nbformat.v4 import new_code_cell, new_notebook
 
     cells = [
-        "import torch, nbmem.reclaim\nfrom nbmem.tracking import default_tracker\n"
+        "import torch, nbmem.tracking.reclaim\nfrom nbmem.tracking.tracker import default_tracker\n"
         "%load_ext nbmem\n%gpumem on -q --backend tracked --device cpu\n"
         "baseline = default_tracker('cpu').allocated()",
         FAILING_CELL,
         "torch.ones(1024, 256)",
         "print('leaked', default_tracker('cpu').allocated() - baseline)",
-        "result = nbmem.reclaim.free(device='cpu')\n"
+        "result = nbmem.tracking.reclaim.free(device='cpu')\n"
         "print('freed', result.freed, 'left', default_tracker('cpu').allocated() - baseline)\n"
         "print(result.released)",
     ]

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nbmem.results import History, MemoryResult
+from nbmem.core.results import History, MemoryResult
 
 MiB = 1024**2
 GiB = 1024**3

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbmem.counters import PeakScopes
+from nbmem.tracking.counters import PeakScopes
 
 
 class StandInCounter:

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from nbmem.attention import FusedAttention
-from nbmem.building import without_onednn
-from nbmem.estimation import estimate
-from nbmem.scope import track
+from nbmem.estimation.attention import FusedAttention
+from nbmem.estimation.building import without_onednn
+from nbmem.estimation.estimate import estimate
+from nbmem.tracking.scope import track
 
 
 def mlp() -> nn.Module:

@@ -1,4 +1,4 @@
-"""task="inference" and task="generate" (nbmem.tasks): estimates against tracked runs of the same loop, exact bytes,
+"""task="inference" and task="generate" (nbmem.estimation.tasks): estimates against tracked runs of the same loop, exact bytes,
 the KV cache's arithmetic, bad input, and sweeps over the task and the context length."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem.results import CATEGORIES
+from nbmem.core.results import CATEGORIES
 
 from test_zoo import need
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from IPython.utils.capture import capture_output
 
-from nbmem.scope import MemoryScope
-from nbmem.tracking import Tracker, default_tracker
+from nbmem.tracking.scope import MemoryScope
+from nbmem.tracking.tracker import Tracker, default_tracker
 
 MiB = 1024**2
 

@@ -11,10 +11,10 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nbmem
-from nbmem import counters
-from nbmem import scope as scope_module
-from nbmem.scope import MemoryScope
-from nbmem.tracking import Tracker, default_tracker
+from nbmem.tracking import counters
+from nbmem.tracking import scope as scope_module
+from nbmem.tracking.scope import MemoryScope
+from nbmem.tracking.tracker import Tracker, default_tracker
 
 MiB = 1024**2
 LINEAR_1024 = 1024 * 1024 * 4 + 1024 * 4  # weight + bias, float32 = 4198400
@@ -425,7 +425,7 @@ def test_an_estimate_inside_a_tracked_scope_adds_none_of_its_fake_bytes():
 def test_device_queries_are_numbered_by_no_tracker():
     """A tracker's own mode above a fake mode (a parallel estimate's) numbers the same ops as one the fake mode
     carries: neither numbers device queries, which a tracked run never sees (a real tensor answers them in C++)."""
-    from nbmem.fakemode import FastKeyFakeTensorMode
+    from nbmem.estimation.fakemode import FastKeyFakeTensorMode
 
     def step():
         weight = torch.randn(64, 64, requires_grad=True)

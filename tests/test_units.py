@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nbmem.units import format_bytes, parse_bytes, round_allocation
+from nbmem.core.units import format_bytes, parse_bytes, round_allocation
 
 
 @pytest.mark.parametrize(

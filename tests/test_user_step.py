@@ -16,9 +16,9 @@ from test_estimate import Transformer  # the transformer family nbmem's estimate
 from torch import nn
 
 import nbmem
-from nbmem.estimation import estimate
-from nbmem.step import _default_loss
-from nbmem.userstep import BUILT_IN
+from nbmem.estimation.estimate import estimate
+from nbmem.estimation.step import _default_loss
+from nbmem.estimation.userstep import BUILT_IN
 
 CLASSES = 1000
 
@@ -40,7 +40,7 @@ def make_tokens(n):
 
 
 def like_the_built_in(model, batch, optimizer, scaler=None):
-    """nbmem.step.run_step written as a user would: output and loss held through backward, then dropped."""
+    """nbmem.estimation.step.run_step written as a user would: output and loss held through backward, then dropped."""
     output = model(batch[0])
     loss = _default_loss(output, batch)
     (loss if scaler is None else scaler.scale(loss)).backward()
@@ -348,7 +348,7 @@ def test_sweep_and_max_batch_size_run_the_step():
 
 def test_explore_answers_with_the_step():
     pytest.importorskip("ipywidgets")
-    from nbmem.explorer import OWN_OPTIMIZER, Explorer
+    from nbmem.frontend.explorer import OWN_OPTIMIZER, Explorer
 
     def flexible(model, batch, optimizer):
         if optimizer is None:  # "your step's own": built once, on nbmem's fresh model

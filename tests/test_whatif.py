@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import nbmem
-from nbmem.comparison import Comparison
+from nbmem.whatif.comparison import Comparison
 
 MiB = 1024**2
 

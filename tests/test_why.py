@@ -8,7 +8,7 @@ from IPython.utils.capture import capture_output
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nbmem
-from nbmem.tracking import default_tracker
+from nbmem.tracking.tracker import default_tracker
 
 MiB = 1024**2
 

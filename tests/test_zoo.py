@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from _zoo import ZOO, causal_lm_batch, gpt2, image_batch, need, padded_batch
-from nbmem.allocator import round_allocation
-from nbmem.estimation import estimate
+from nbmem.core.allocator import round_allocation
+from nbmem.estimation.estimate import estimate
 
 
 def need_zoo(vision: bool) -> None:

@@ -1,0 +1,595 @@
+"""Estimate before running: a full training step on fake tensors, no data, no real memory.
+
+``nbmem.estimate(build_model, make_batch, batch_size=64, precision="bf16",
+checkpointing=True, optimizer="adamw")`` builds the model and runs two
+optimizer steps (forward, loss, backward, step, zero_grad) under PyTorch's
+``FakeTensorMode``: every tensor has its shape, dtype and lifetime but no
+storage, so a model far larger than the machine costs nothing. nbmem's tracker
+accounts those fake storages exactly as it accounts real ones (a tracked real
+run of the same step gives the same bytes), with CUDA's 512 B rounding and the
+breakdown by category.
+
+The same step can also run for real (``mode=``): ``"tracked"`` on this CPU,
+each storage accounted (how the tests check the estimate, and what a tracked
+sweep uses), or ``"measured"`` on a CUDA device with the caching allocator's
+own statistics (what a measured sweep and ``max_batch_size`` use on a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import html
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .attention import FusedAttention
+from .finetune import Trained, TrainedWatch, apply_trainable, check_trainable
+from .autocast_policy import AUTOCAST_POLICIES, CudaAutocastPolicy
+from .building import (
+    FAKE_ERRORS,
+    apply_precision_and_checkpointing,
+    fake_failure,
+    fresh_model,
+    new_fake_mode,
+    repeated_blocks,
+    without_onednn,
+)
+from .parallel import check_parallel, parallelize, per_device_batch, process_group
+from ..core.results import Breakdown
+from ..tracking.scope import MemoryScope, tracker_alongside_note
+from .step import run_step
+from .tasks import CacheRecord, check_generator, check_task, run_generate, run_inference, sized_batch, task_lines, task_notes
+from .userstep import (
+    BUILT_IN,
+    AlwaysSteppingScaler,
+    check_step,
+    fake_error_message,
+    real_tensor_message,
+    run_user_step,
+    step_label,
+    user_step_notes,
+)
+from .fakemode import FastKeyFakeTensorMode
+from ..tracking.tracker import Tracker
+from ..core.units import format_bytes
+
+__all__ = ["estimate", "Estimate", "PRECISIONS", "OPTIMIZERS", "MODES", "repeated_blocks"]
+
+#: How a step runs: on fake tensors; for real on the CPU, tracked; for real on CUDA, measured.
+MODES = ("estimated", "tracked", "measured")
+
+#: fp32; bf16/fp16 autocast (fp16 with a GradScaler); pure bf16/fp16 weights.
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-weights", "fp16-weights")
+
+#: Optimizer names and how nbmem builds them (learning rates don't change memory).
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.01),
+    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
+
+#: Memory outside PyTorch's tensors, listed beside an estimate and never added
+#: to it: (what, bytes, why). DESIGN.md; c10/cuda/CUDACachingAllocator.cpp.
+OVERHEADS = (
+    ("CUDA context", 512 * 1024**2, "300-700 MiB per process depending on GPU and CUDA version; outside PyTorch's allocator"),
+    ("cuBLAS workspace", 8 * 1024**2, "per cuBLAS handle through the caching allocator; 32 MiB on Hopper (H100, H200)"),
+)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What a training step would allocate, from a run on fake tensors.
+
+    ``first_step`` is the first optimizer step's peak (no optimizer state
+    before it), ``steady`` a later step's (the state exists); ``peak`` the
+    larger. Bytes are CUDA-rounded allocated bytes of PyTorch tensors; the
+    fixed overheads are listed separately in ``overheads``.
+
+    Returned by :func:`estimate` (also for ``mode="tracked"`` and
+    ``"measured"`` runs, which say so in ``mode``), one per rank by
+    :func:`nbmem.launch`, one per configuration in :func:`nbmem.sweep`.
+    ``fits`` compares with the capacity given as ``device``; ``breakdown``
+    says what the memory at the peak was for; ``print()`` shows a report.
+
+    >>> build = lambda: nn.Linear(256, 256)
+    >>> make = lambda n: torch.randn(n, 256)
+    >>> result = estimate(build, make, batch_size=32, optimizer="sgd", device="1GiB")
+    >>> result.parameters, result.peak == max(result.first_step, result.steady), result.fits
+    (65792, True, True)
+    >>> result.breakdown.category("parameter")   # (256 * 256 + 256) * 4 bytes, in 512 B blocks
+    263168
+    """
+
+    batch_size: int
+    accumulation: int
+    precision: str
+    optimizer: str
+    checkpointing: str
+    parameters: int
+    first_step: int
+    steady: int
+    breakdown: Breakdown
+    #: The simulated caching allocator's reserved peak (see nbmem.core.allocator).
+    reserved: int | None = None
+    #: With a capacity: the first segment the simulated allocator could not
+    #: reserve even after releasing its cache (None: every reservation fit).
+    reserve_failed: int | None = None
+    capacity: int | None = None
+    capacity_label: str = ""
+    mode: str = "estimated"
+    #: Where the step ran: "cpu" for fake tensors and tracked runs, "cuda:N" when measured.
+    device: str = "cpu"
+    #: The data-parallel strategy (nbmem.estimation.parallel.STRATEGIES) and its GPUs; figures are per GPU (rank 0).
+    parallel: str = "single"
+    world_size: int = 1
+    #: Which rank's view (ranks can differ a little: uneven shards, ZeRO's partition).
+    rank: int = 0
+    notes: tuple[str, ...] = ()
+    #: Which training step ran: nbmem's built-in one (nbmem.estimation.step) or the user's (estimate(step=...)).
+    step: str = BUILT_IN
+    #: With trainable=: what trained and its own bytes (nbmem.estimation.finetune.Trained); None: the model as it came.
+    trained: Trained | None = None
+    overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
+    #: What ran (nbmem.estimation.tasks): "train", "inference" or "generate"; the context length and tokens generated.
+    task: str = "train"
+    prompt_length: int | None = None
+    new_tokens: int | None = None
+    #: generate: the KV cache's bytes at the end, and per token of context (the whole batch's), unrounded.
+    kv_cache: int | None = None
+    kv_cache_per_token: int | None = None
+
+    @property
+    def peak(self) -> int:
+        return max(self.first_step, self.steady)
+
+    @property
+    def effective_batch(self) -> int:
+        """Samples per optimizer step on one GPU: the micro-batch times the accumulation steps."""
+        return self.batch_size * self.accumulation
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step across all GPUs."""
+        return self.effective_batch * self.world_size
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step fits the capacity (None without one): its allocated peak, and every
+        segment the simulated allocator reserved (after releasing its cache). Overheads not included."""
+        if self.capacity is None:
+            return None
+        return self.peak <= self.capacity and self.reserve_failed is None
+
+    def __str__(self) -> str:
+        accumulate = f" x {self.accumulation} micro-batches = {self.effective_batch}" if self.accumulation > 1 else ""
+        how = {
+            "estimated": "estimate (estimated on fake tensors, no data, nothing allocated)",
+            "tracked": f"step (tracked: run for real on the {self.device}, every tensor accounted)",
+            "measured": f"step (measured: run for real on {self.device}, CUDA's caching allocator)",
+        }[self.mode]
+        scale = (
+            f", {self.parallel} on {self.world_size} GPUs (figures per GPU, rank {self.rank}; global batch {self.global_batch})"
+            if self.parallel != "single"
+            else ""
+        )
+        lines = [
+            f"gpumem {how}: "
+            f"batch {self.batch_size}{accumulate}, {self.precision}, {self.optimizer}, checkpointing {self.checkpointing}"
+            f"{scale}",
+            f"  parameters       {self.parameters:,}",
+            f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
+            f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
+            f"  step             {self.step}",
+        ] if self.task == "train" else task_lines(self)
+        if self.reserved is not None:
+            source = "measured" if self.mode == "measured" else "simulated caching allocator"
+            lines.append(
+                f"  reserved peak    {format_bytes(self.reserved)} ({source}: cached blocks and "
+                "segment tails included; roughly what nvidia-smi shows, less the CUDA context)"
+            )
+        if self.capacity is not None:
+            verdict = "fits" if self.fits else "does NOT fit"
+            why = (
+                f"; the allocator could not reserve a {format_bytes(self.reserve_failed)} segment even after "
+                "releasing its cache"
+                if self.reserve_failed is not None
+                else ""
+            )
+            lines.append(
+                f"  on {self.capacity_label or format_bytes(self.capacity)}  {verdict}: {format_bytes(self.peak)} of "
+                f"{format_bytes(self.capacity)} ({self.peak / self.capacity:.0%}) allocated{why}; before the fixed "
+                "overheads below"
+            )
+        lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
+        lines += [f"  {name:<15}  {text}" for name, text in (self.trained.rows(self.mode) if self.trained else [])]
+        lines += [f"  not included: {name} about {format_bytes(size)} ({why})" for name, size, why in self.overheads]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        return f"<pre class='nbmem-estimate' style='font-size:12px'>{html.escape(str(self))}</pre>"
+
+
+def estimate(
+    model: nn.Module | Callable[[], nn.Module],
+    batch: Callable[..., Any] | None = None,
+    *,
+    batch_size: int | None = None,
+    loss: Callable[[Any, Any], torch.Tensor] | None = None,
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw",
+    precision: str = "fp32",
+    checkpointing: bool | Callable[[nn.Module], bool] = False,
+    accumulation: int = 1,
+    foreach: bool | None = None,
+    device: int | str | None = None,
+    mode: str = "estimated",
+    enforce_capacity: bool = False,
+    parallel: str = "single",
+    world_size: int = 1,
+    global_batch_size: int | None = None,
+    rank: int = 0,
+    step: Callable[..., Any] | None = None,
+    autocast_policy: str = "cuda",
+    trainable: Any = None,
+    task: str = "train",
+    prompt_length: int | None = None,
+    new_tokens: int | None = None,
+) -> Estimate:
+    """Estimate a training step's peak memory before running anything.
+
+    ``model`` is a module or, better for large models, a function that builds
+    one (it is called under fake tensors, so nothing is allocated). ``batch``
+    takes a batch size and returns the model's input: a tensor, an
+    ``(inputs, targets)`` tuple, or a dict of keyword arguments. ``loss(output,
+    batch)`` defaults to cross-entropy for integer targets, MSE for float
+    targets, the output's mean otherwise (or ``output.loss``). ``device`` is a
+    capacity to compare with (``"T4"``, ``"24GiB"``). Nothing the user built is
+    changed: a module is copied first.
+
+    ``mode="tracked"`` runs the same step for real on this CPU, every tensor
+    accounted; ``mode="measured"`` runs it on the current CUDA device and
+    reads the caching allocator's peaks (allocated and reserved, relative to
+    what was allocated before). ``enforce_capacity=True`` makes a real run
+    raise ``torch.OutOfMemoryError`` at the op that crosses ``device``.
+
+    ``parallel`` (``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"fsdp-no-reshard"``;
+    see :data:`nbmem.estimation.parallel.STRATEGIES`) with ``world_size`` GPUs gives
+    what one GPU holds (rank 0, the largest shard): estimated with PyTorch's
+    fake process group, so any world size runs here. ``batch_size`` is per
+    GPU; or give ``global_batch_size``, which must divide into ``world_size``
+    x ``accumulation``. Real runs of a strategy: :func:`nbmem.launch`.
+
+    The step nbmem runs (:mod:`nbmem.estimation.step`), twice (``first_step``, then
+    ``steady``): for each micro-batch it makes the batch, runs forward and
+    the loss (under autocast for ``"bf16"``/``"fp16"``) and holds the batch,
+    the output and the loss until ``backward()`` returns, then drops them;
+    then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, so no
+    gradient lives between steps. Yours may hold more or less: pass
+    ``step=train_step``, your own ``train_step(model, batch, optimizer)``,
+    and nbmem runs it instead, with the same tracker and knobs
+    (:mod:`nbmem.estimation.userstep` has the contract): ``batch`` is what ``batch``
+    returned for ``batch_size``; ``optimizer`` the one ``optimizer=`` names,
+    or None with ``optimizer=None`` (your step builds its own, e.g. two
+    of them, kept on the model it gets); bf16/fp16 run it inside autocast,
+    fp16 passes a GradScaler as a 4th argument if it takes one; your step
+    owns accumulation and the loss, so ``accumulation`` stays 1 and ``loss``
+    unset. On fake tensors nothing has a value: guard ``loss.item()`` with
+    ``if not nbmem.estimating():``.
+
+    ``trainable`` chooses what trains (:mod:`nbmem.estimation.finetune`): ``"all"``,
+    ``"head"``, ``"lora"`` (PEFT's defaults), a PEFT config such as
+    ``peft.LoraConfig(r=16)``, or a predicate over parameter names; None
+    (the default) leaves the model as it comes. Frozen parameters get no
+    gradient and no optimizer state; the result's ``trained`` gives the
+    trained parameters' own bytes.
+
+    ``precision="bf16"``/``"fp16"`` autocast follows CUDA's op lists
+    (``autocast_policy="cuda"``, :mod:`nbmem.estimation.autocast_policy`), also in a
+    tracked run, whose CPU kernels then compute in the dtypes CUDA would
+    choose; ``autocast_policy="cpu"`` keeps CPU autocast's own lists. A
+    measured run uses CUDA's autocast itself.
+
+    ``task="inference"`` runs one forward pass of ``batch(batch_size)`` in eval
+    mode under ``torch.inference_mode()``, no optimizer; ``task="generate"``
+    (a Hugging Face causal LM) runs greedy decoding with the model's own KV
+    cache: nbmem makes an unpadded prompt of ``batch_size`` x
+    ``prompt_length`` token ids (``batch`` is not needed), prefills it, then
+    generates ``new_tokens`` tokens in all, a fixed number of steps;
+    ``kv_cache`` and ``kv_cache_per_token`` say what the cache holds
+    (:mod:`nbmem.estimation.tasks`). ``prompt_length`` with ``"train"`` or
+    ``"inference"`` sets the context length: nbmem calls
+    ``batch(batch_size, prompt_length)``.
+
+    >>> build = lambda: nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    >>> make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))
+    >>> result = estimate(build, make, batch_size=64, optimizer="sgd")
+    >>> result.breakdown.category("parameter")   # 4198400 + 40960 + 512
+    4239872
+    >>> def lean_step(model, batch, optimizer):   # the logits die inside cross_entropy, before backward
+    ...     nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+    ...     optimizer.step()
+    ...     optimizer.zero_grad(set_to_none=True)
+    >>> mine = estimate(build, make, batch_size=64, optimizer="sgd", step=lean_step)
+    >>> result.peak - mine.peak   # the built-in step holds the logits through backward: 64 * 10 * 4 bytes
+    2560
+    """
+    batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
+    check_task(task, prompt_length=prompt_length, new_tokens=new_tokens, checkpointing=checkpointing,
+               accumulation=accumulation, parallel=parallel, step=step)
+    if batch is None and task != "generate":
+        raise ValueError(f"task={task!r} needs batch, a function that takes a batch size and returns the model's input")
+    batch = sized_batch(batch, prompt_length)
+    _check(batch_size, precision, optimizer, accumulation)
+    check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
+    check_trainable(trainable)
+    if task != "train" and trainable is not None:
+        raise ValueError(f"trainable= chooses what a training step updates, and task={task!r} updates nothing: leave trainable out")
+    if task != "train":
+        optimizer = None  # nothing to update: no optimizer is built
+    if autocast_policy not in AUTOCAST_POLICIES:
+        raise ValueError(f"unknown autocast_policy {autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)")
+    autocast = precision in ("bf16", "fp16") and mode != "measured"
+    policy = CudaAutocastPolicy() if autocast and autocast_policy == "cuda" else None
+    attention = FusedAttention() if mode != "measured" else None
+    run_on = _run_device(mode)
+    capacity = label = None
+    if device is not None:
+        from ..core.devices import parse_capacity
+
+        capacity, label = parse_capacity(device)
+    fake_mode = new_fake_mode() if mode == "estimated" else None
+    notes: list[str] = []
+    limit = capacity if enforce_capacity else None
+    simulation = None
+    if mode == "measured":
+        scope = functools.partial(MemoryScope, backend="cuda", device=run_on, breakdown=True)
+        before = (torch.cuda.memory_allocated(run_on), torch.cuda.memory_reserved(run_on))
+    else:
+        from ..core.allocator import CachingAllocatorSimulation
+
+        tracker = Tracker("cpu")
+        tracker.fake = fake_mode is not None
+        tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False)
+        # a launched rank (gloo on the CPU): gloo's own flat copies, made in its worker threads, are not
+        # counted; NCCL, which a GPU run uses, works on FSDP's buffers in place
+        tracker.adopt_unseen = not (mode == "tracked" and parallel != "single")
+        if isinstance(fake_mode, FastKeyFakeTensorMode) and parallel == "single":
+            tracker.host = fake_mode  # one trip into Python per op, not two (FastKeyFakeTensorMode.carry)
+        scope = functools.partial(MemoryScope, tracker=tracker)
+        before = (0, 0)
+    outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    if fake_mode is None:
+        rank = _real_rank(parallel)
+    elif isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be one of the {world_size} ranks, 0 to {world_size - 1}, got {rank!r}")
+    group = process_group(parallel, world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
+    try:
+        # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
+        # versions don't model: estimate and tracked run both use the generic ones.
+        with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole, contextlib.ExitStack() as target_rules:
+            network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
+            network = apply_trainable(network, trainable, notes)
+            if task == "generate":
+                check_generator(network, prompt_length, new_tokens)  # type: ignore[arg-type]  # checked by check_task
+            block = repeated_blocks(network)
+            chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
+            make_optimizer = _optimizer_factory(optimizer)
+            optimizer_kwargs = _target_optimizer_kwargs(optimizer, foreach, mode, notes)
+            assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
+            network, opt = parallelize(
+                network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
+                optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
+            )
+            region = policy.region if policy is not None else torch.autocast
+            cache = CacheRecord()
+            if task == "inference":
+                one_step = functools.partial(run_inference, network, batch, batch_size, precision, run_on,
+                                             autocast_region=region)
+            elif task == "generate":
+                one_step = functools.partial(run_generate, network, batch_size, prompt_length, new_tokens,  # type: ignore[arg-type]  # checked by check_task
+                                             precision, run_on, whole.tracker.classify, cache, autocast_region=region)
+            elif step is None:
+                scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
+                one_step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision,
+                                             accumulation, run_on, autocast_region=region)
+            else:
+                scaler = AlwaysSteppingScaler(run_on.type) if precision == "fp16" else None
+                one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
+                                             run_on, fake_mode is not None, autocast_region=region)
+            peaks, reserved, breakdowns = [], [], []
+            watch = TrainedWatch(network, whole.tracker, trainable) if trainable is not None else None
+            for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
+                if rule is not None:
+                    target_rules.enter_context(rule)
+            for _ in range(2 if task == "train" else 1):  # an inference pass has no state that a second one would add
+                with scope() as one:
+                    one_step()
+                result = one.result
+                # set when the scope closed; a tracker (tracked, or breakdown=True) made the breakdown
+                assert result is not None and result.breakdown is not None
+                peaks.append(result.peak_allocated - before[0])
+                if result.peak_reserved is not None:
+                    reserved.append(result.peak_reserved - before[1])
+                breakdowns.append(result.breakdown)
+            parameters = sum(parameter.numel() for parameter in network.parameters())
+            trained = watch.close(opt) if watch is not None else None
+    except FAKE_ERRORS as error:
+        if step is not None:
+            raise ValueError(fake_error_message(error, step)) from error
+        raise ValueError(
+            f"the training step can't run on fake tensors: {fake_failure(error)}. Fake tensors have no values, so "
+            "code that reads them (.item(), .tolist(), nonzero, data-dependent shapes) can't be estimated: "
+            "mode='tracked' runs the step for real on this CPU, every tensor accounted (or nbmem.track() around "
+            "your own step)"
+        ) from error
+    except AssertionError as error:  # FakeTensorMode refuses a real tensor with an assertion
+        message = real_tensor_message(error)
+        if message is None:
+            raise
+        raise ValueError(message) from error
+    if policy is not None:
+        notes.append(
+            f"autocast follows CUDA's op lists (aten/src/ATen/autocast_mode.cpp, torch {torch.__version__.split('+')[0]}) "
+            "on the CPU: layer norm, softmax, exp, sums and losses in fp32, matmuls and convolutions in "
+            f"{precision}, each weight cast once per forward"
+        )
+    elif autocast:
+        notes.append(
+            "autocast follows PyTorch's CPU op lists (autocast_policy='cpu'); CUDA's lists differ for some ops "
+            "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
+        )
+    if attention is not None:
+        notes += attention.notes(steps=2)
+    if mode == "measured":
+        notes.append(
+            "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "
+            "cuBLAS/cuDNN workspaces the step allocated through the allocator"
+        )
+        notes.append(tracker_alongside_note("step's run without the breakdown's tracker"))
+    else:
+        notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
+        notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
+    if step is not None:
+        notes += user_step_notes(step, precision, run_on)
+    notes += task_notes(task, prompt_length, new_tokens)
+    if task == "generate":  # no mask is passed, so the note on the mask fake tensors build does not apply
+        notes = [note for note in notes if not note.startswith("Hugging Face builds a (batch, 1")]
+    first, steady = peaks if task == "train" else (peaks[0], peaks[0])
+    return Estimate(
+        batch_size=batch_size,
+        accumulation=accumulation,
+        precision=precision,
+        optimizer=_optimizer_name(optimizer) if task == "train" else "none",
+        checkpointing=chosen,
+        parameters=parameters,
+        first_step=first,
+        steady=steady,
+        breakdown=breakdowns[0] if first >= steady else breakdowns[1],
+        reserved=max(reserved) if simulation is None else simulation.peak_reserved,  # None: measured
+        reserve_failed=None if simulation is None else simulation.overflow,
+        capacity=capacity,
+        capacity_label=label or "",
+        mode=mode,
+        device=str(run_on),
+        parallel=parallel,
+        world_size=world_size,
+        rank=rank,
+        notes=tuple(notes),
+        step=step_label(step),
+        trained=trained,
+        task=task,
+        prompt_length=prompt_length,
+        new_tokens=new_tokens,
+        kv_cache=cache.bytes if task == "generate" else None,
+        kv_cache_per_token=cache.per_token if task == "generate" else None,
+    )
+
+
+def _optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> Callable[..., Any]:
+    """How nbmem builds the optimizer: by name, the user's factory, or (None: the user's step brings its own) none."""
+    if optimizer is None:
+        return lambda parameters, **kwargs: None
+    return OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+
+
+def _optimizer_name(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> str:
+    if optimizer is None:
+        return "your step's own optimizer"
+    return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")
+
+
+def _target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str]) -> dict[str, Any]:
+    """The optimizer's implementation on the GPU the estimate is for, named in ``notes``.
+
+    On CUDA, torch.optim's built-in optimizers default to the foreach
+    implementation when neither ``foreach`` nor ``fused`` is given: all
+    parameters are plain tensors, parameters or DTensors on a foreach device,
+    and "cpu" is not one (torch/optim/optimizer.py _default_to_fused_or_foreach;
+    fused is never the default). Foreach holds temporaries for a whole
+    parameter group at once (Adam's sqrt of the second moments), so on fake CPU
+    tensors, which default to the per-tensor loop, nbmem asks for it. CPU's
+    foreach ops loop per tensor (foreach_tensor_*_slow) but allocate the same
+    list of outputs as CUDA's fast path, so the peak is CUDA's.
+    """
+    if foreach is not None:
+        notes.append(f"optimizer: foreach={foreach}, as asked")
+        return {"foreach": foreach}
+    if optimizer is None:  # the user's step builds its own
+        return {}
+    if not isinstance(optimizer, str):
+        notes.append("optimizer: your factory's own defaults (built-in optimizers default to foreach on CUDA)")
+        return {}
+    if mode == "measured":
+        notes.append(f"optimizer: {optimizer} with CUDA's default, the foreach implementation")
+        return {}
+    notes.append(
+        f"optimizer: {optimizer} with the foreach implementation, CUDA's default (on a CPU PyTorch would loop "
+        "tensor by tensor); pass foreach=False for the per-tensor loop"
+    )
+    return {"foreach": True}
+
+
+def _real_rank(parallel: str) -> int:
+    """This process's rank in a real run (0 on a single device)."""
+    if parallel == "single":
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def resolve_batch_size(
+    batch_size: int | None, global_batch_size: int | None, parallel: str, world_size: int, accumulation: int
+) -> int:
+    """The per-GPU batch size, from ``batch_size`` or a ``global_batch_size``; ValueError naming what to pass."""
+    check_parallel(parallel, world_size)
+    if (batch_size is None) == (global_batch_size is None):
+        raise ValueError(
+            "pass batch_size (per GPU) or global_batch_size (across GPUs and micro-batches), exactly one of them"
+        )
+    if global_batch_size is not None:
+        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
+        return per_device_batch(global_batch_size, world_size, accumulation)
+    return batch_size  # type: ignore[return-value]
+
+
+def _run_device(mode: str) -> torch.device:
+    """Where a step of this mode runs (fake tensors say cpu; they hold no memory anywhere)."""
+    if mode not in MODES:
+        raise ValueError(
+            f"unknown mode {mode!r}: use 'estimated' (fake tensors, nothing runs), 'tracked' (a real run on this "
+            "CPU, every tensor accounted) or 'measured' (a real run on a CUDA device)"
+        )
+    if mode != "measured":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "mode 'measured' runs the step on a CUDA device and none is available here: use mode='tracked' "
+            "(a real run on this CPU, every tensor accounted) or 'estimated'"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _check(batch_size: Any, precision: str, optimizer: Any, accumulation: Any) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive whole number, got {batch_size!r}")
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
+        raise ValueError(
+            f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}, or pass a function "
+            "that takes the parameters and returns a torch.optim.Optimizer"
+        )

@@ -1,0 +1,276 @@
+"""Data parallelism: what each GPU holds under DDP, ZeRO-1 and FSDP2, for N GPUs.
+
+Data parallelism alone does not shrink what each GPU holds for the model:
+every DDP replica keeps full parameters, gradients (and DDP's gradient
+buckets) and optimizer state. Sharding does: ZeRO-1 shards the optimizer
+state; FSDP2 (``fully_shard``) shards parameters, gradients and optimizer
+state, holding one unit (a repeated block) in full while it runs.
+
+nbmem runs PyTorch's own wrappers rather than formulas:
+
+- **estimated**: one process, fake tensors, and PyTorch's fake process group
+  (``FakeStore`` with the ``fake`` backend, as torchtitan's memory estimation
+  does), as rank 0 of ``world_size``: any world size, in seconds, on a CPU;
+- **verified**: :func:`nbmem.launch` (in :mod:`nbmem.whatif.launcher`) forks ``world_size`` real ranks on this
+  machine (gloo on a CPU, each rank tracked; NCCL on CUDA, each measured,
+  untested so far) and reports every rank's peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+
+__all__ = ["STRATEGIES", "check_parallel", "collectives_on_copies"]
+
+#: The data-parallel strategies and what each GPU holds under them.
+STRATEGIES: dict[str, str] = {
+    "single": "one device: the whole model, its gradients and optimizer state",
+    "ddp": "DistributedDataParallel: a full replica, plus gradient buckets as large as the gradients",
+    "zero1": "DDP with ZeroRedundancyOptimizer: the optimizer state sharded across the GPUs",
+    "fsdp": "FSDP2 fully_shard: parameters, gradients and optimizer state sharded; one block gathered at a time",
+    "fsdp-no-reshard": "FSDP2 with reshard_after_forward=False: gathered parameters kept from forward to backward "
+    "(ZeRO-2-like)",
+}
+
+
+def check_parallel(parallel: str, world_size: Any) -> None:
+    """ValueError naming what is accepted, for an unknown strategy or a world size that can't be."""
+    if parallel not in STRATEGIES:
+        raise ValueError(f"unknown parallel strategy {parallel!r}: use one of {', '.join(STRATEGIES)}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a whole number of GPUs, at least 1, got {world_size!r}")
+    if parallel == "single" and world_size != 1:
+        raise ValueError(
+            f"parallel='single' runs on one device, but world_size={world_size}: pick a strategy for "
+            f"{world_size} GPUs ({', '.join(name for name in STRATEGIES if name != 'single')})"
+        )
+
+
+def per_device_batch(global_batch_size: Any, world_size: int, accumulation: int) -> int:
+    """The per-GPU micro-batch of a global batch; ValueError unless it divides evenly."""
+    if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 1:
+        raise ValueError(f"global_batch_size must be a positive whole number, got {global_batch_size!r}")
+    share = world_size * accumulation
+    if global_batch_size % share:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} does not divide into {world_size} GPUs x {accumulation} "
+            f"micro-batches: use a multiple of {share} (e.g. {global_batch_size // share * share or share} or "
+            f"{(global_batch_size // share + 1) * share})"
+        )
+    per_gpu: int = global_batch_size // share  # an int by now (older mypy keeps it Any)
+    return per_gpu
+
+
+@contextlib.contextmanager
+def process_group(parallel: str, world_size: int, *, fake: bool, device_type: str, rank: int = 0) -> Iterator[Any]:
+    """The process group a step runs in; yields the device mesh FSDP2 needs (None otherwise).
+
+    Estimating, nbmem makes PyTorch's fake process group (rank 0 of
+    ``world_size``; collectives do nothing) and removes it afterwards. A real
+    run must be inside its ranks' process group, as :func:`launch` makes it.
+    """
+    if parallel == "single":
+        yield None
+        return
+    import torch.distributed as dist
+
+    if fake:
+        if dist.is_initialized():
+            raise ValueError(
+                "estimating a data-parallel step makes its own (fake) process group, and this process already "
+                "has one: estimate from a process outside your distributed job (a notebook, a script)"
+            )
+        import sys
+
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        # init_process_group wraps sys.excepthook to prefix "[rank0]: " to tracebacks
+        # (distributed_c10d.py), and destroying the group leaves it: one more prefix per estimate
+        excepthook = sys.excepthook
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        try:
+            yield _mesh(parallel, world_size, device_type)
+        finally:
+            dist.destroy_process_group()
+            sys.excepthook = excepthook
+        return
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        raise ValueError(
+            f"a real run of {parallel!r} needs its {world_size} ranks in one process group: use "
+            f"nbmem.launch(..., parallel={parallel!r}, world_size={world_size}), which starts them"
+        )
+    yield _mesh(parallel, world_size, device_type)
+
+
+def _mesh(parallel: str, world_size: int, device_type: str) -> Any:
+    # built outside fake tensors: making a mesh reads its rank tensor's values
+    if not parallel.startswith("fsdp"):
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (world_size,))
+
+
+def parallelize(
+    model: nn.Module,
+    parallel: str,
+    mesh: Any,
+    *,
+    fake: bool,
+    block: type[nn.Module] | None,
+    make_optimizer: Callable[..., torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    classify: Callable[[torch.Tensor, str], None],
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Wrap ``model`` as the strategy does and build its optimizer."""
+    if parallel == "single":
+        return model, make_optimizer(model.parameters(), **optimizer_kwargs)
+    if parallel in ("ddp", "zero1"):
+        wrapped = _ddp(model, fake=fake, classify=classify)
+        if parallel == "ddp":
+            return wrapped, make_optimizer(wrapped.parameters(), **optimizer_kwargs)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # ZeRO only calls optimizer_class(params, **kwargs): any optimizer factory works, not just a class
+        optimizer_class: Any = make_optimizer
+        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=optimizer_class, **optimizer_kwargs)
+    from torch.distributed.fsdp import fully_shard
+
+    reshard = parallel == "fsdp"
+    for unit in _units(model, block):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    for parameter in model.parameters():  # the local shards: FSDP2 swaps them in without registering them
+        classify(parameter, "parameter")
+    return model, make_optimizer(model.parameters(), **optimizer_kwargs)
+
+
+def _units(model: nn.Module, block: type[nn.Module] | None) -> list[nn.Module]:
+    """FSDP2's units: each outermost repeated block (inside its checkpoint wrapper, if any)."""
+    if block is None:
+        return []
+    found: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            inner = getattr(child, "_checkpoint_wrapped_module", child)
+            if isinstance(inner, block):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(model)
+    return found
+
+
+class _NoRebuild:
+    """DDP's reducer, except that it keeps its first bucket layout.
+
+    Rebuilding the buckets after the first step reads tensor data, which
+    fake tensors don't have; the total bucket bytes are the same either way.
+    """
+
+    def __init__(self, reducer: Any) -> None:
+        object.__setattr__(self, "_reducer", reducer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def _ddp(model: nn.Module, *, fake: bool, classify: Callable[[torch.Tensor, str], None]) -> nn.Module:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    # Fake tensors have no data to check or broadcast, and the C++ default hook
+    # can't complete a fake collective: the same allreduce-and-average in Python.
+    wrapped = DistributedDataParallel(model, init_sync=not fake)
+    world_size = dist.get_world_size()
+
+    def allreduce_average(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations; none is fine
+        buffer = bucket.buffer()
+        classify(buffer, "gradient")  # DDP's gradient bucket: a second copy of the gradients
+        dist.all_reduce(buffer, async_op=True).wait()
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        future.set_result(buffer.div_(world_size))
+        return future
+
+    wrapped.register_comm_hook(None, allreduce_average)
+    if fake:
+        wrapped.reducer = _NoRebuild(wrapped.reducer)  # type: ignore[assignment]  # a stand-in that delegates
+    return wrapped
+
+
+#: The collectives DDP, ZeroRedundancyOptimizer and FSDP2 call, and whether each takes ``async_op``.
+_COLLECTIVES = {
+    "all_gather_single": True,
+    "all_gather_into_tensor": True,
+    "reduce_scatter_single": True,
+    "reduce_scatter_tensor": True,
+    "all_reduce": True,
+    "broadcast": True,
+    "_broadcast_coalesced": False,  # DDP's start: parameters from rank 0 (estimates skip it: init_sync)
+}
+
+
+@contextlib.contextmanager
+def collectives_on_copies() -> Iterator[None]:
+    """In a tracked rank: each collective runs on untracked copies and is over when it returns.
+
+    gloo keeps a collective's tensors until its worker thread lets go of the
+    work, a moment after ``wait()`` returns and at no fixed point: a buffer
+    that FSDP or DDP drops would die sometimes before the next allocation and
+    sometimes after it, and the peak would change from run to run. On copies
+    made where the tracker does not look, the tracked buffers live exactly as
+    long as the program holds them, as on a GPU, where NCCL works on them in
+    place. Only nbmem's own rank processes do this (see :func:`launch`).
+    """
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    originals = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+
+    def on_copies(name: str, collective: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(collective)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            asynchronous = kwargs.pop("async_op", False)
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+            def private(value: Any) -> Any:
+                if isinstance(value, torch.Tensor):
+                    pairs.append((value, value.detach().clone()))
+                    return pairs[-1][1]
+                if isinstance(value, (list, tuple)):
+                    return type(value)(private(item) for item in value)
+                return value
+
+            with _disable_current_modes():
+                args, kwargs = private(args), {key: private(value) for key, value in kwargs.items()}
+                result = collective(*args, **kwargs, **({"async_op": False} if _COLLECTIVES[name] else {}))
+                for original, copy in pairs:
+                    original.detach().copy_(copy)
+                del pairs[:], args, kwargs
+            if not asynchronous:
+                return result
+            done: torch.futures.Future[None] = torch.futures.Future()
+            done.set_result(None)
+            # complete: wait() returns at once (the function is missing from torch's stubs)
+            return torch._C._distributed_c10d._create_work_from_future(done)  # type: ignore[attr-defined]
+
+        return run
+
+    for name, collective in originals.items():
+        setattr(dist, name, on_copies(name, collective))
+    try:
+        yield
+    finally:
+        for name, collective in originals.items():
+            setattr(dist, name, collective)

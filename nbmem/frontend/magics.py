@@ -1,0 +1,593 @@
+"""The ``%gpumem`` / ``%%gpumem`` magics and the every-cell hooks.
+
+A thin shell: parse the arguments, run the cell inside a
+:class:`~nbmem.tracking.scope.MemoryScope`, hand the result to :mod:`nbmem.frontend.display`
+and to the session's history.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from IPython.core.displayhook import DisplayHook
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_cell_magic, magics_class, output_can_be_silenced
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from ..core import _env
+from . import display
+from ..tracking.diagnosis import diagnose, is_out_of_memory
+from ..core.results import History, MemoryResult, first_line
+from ..tracking.scope import BACKENDS, ENGINES, Backend, Engine, MemoryScope, resolve_backend, native_engine
+from .live_gauge import CELL_DELAY, LINE_DELAY, LiveGauge, capacity_of, virtual_label
+from ..tracking.tracker import default_tracker
+
+__all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
+
+ACTIONS = ("on", "off", "history", "reset", "free")
+
+
+@dataclass
+class _EveryCell:
+    """How ``%gpumem on`` measures each cell."""
+
+    backend: Backend = "auto"
+    device: str | None = None
+    quiet: bool = False
+    capacity: str | None = None
+    live: bool = True  # the compact live line for long cells; `%gpumem on --no-live` turns it off
+    engine: Engine = "dispatch"
+
+
+@dataclass
+class _Session:
+    """nbmem's state for one IPython shell (kept on the magics instance, never global)."""
+
+    history: History = field(default_factory=History)
+    every_cell: _EveryCell | None = None
+    log_path: str | None = None  # `nbmem profile` appends one JSON line per measured cell
+    log_options: _EveryCell = field(default_factory=lambda: _EveryCell(quiet=True))
+    pending: MemoryScope | None = None
+    pending_gauge: LiveGauge | None = None
+    #: Whether a frontend is watching live (None outside a kernel, or for `nbmem profile`'s log).
+    frontend: _env.FrontendProbe | None = None
+    #: The running cell's number as its In[n] shows it; IPython has already
+    #: advanced shell.execution_count when the cell runs.
+    cell_number: int | None = None
+
+    def record(self, result: MemoryResult) -> None:
+        self.history.append(result)
+        if self.log_path:
+            with open(self.log_path, "a", encoding="utf-8") as log:
+                log.write(json.dumps(History([result]).to_records()[0]) + "\n")
+
+
+def _unsilenced(line: str) -> str:
+    """The line form's options without a trailing ``;`` (which silences the output, not an option)."""
+    stripped = line.rstrip()
+    return stripped[:-1] if stripped.endswith(";") else line
+
+
+def _parse_options(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
+    """The magic's options, read as a shell reads words; a UsageError saying how to fix a bad line.
+
+    IPython's own splitting keeps quotes inside the words (``'16 GiB'`` with
+    its quotes, which no option reads) and lets ``shlex`` raise a bare
+    ValueError on an unclosed quote; argparse takes a value starting with
+    ``-`` (``--capacity -5GB``) for an option and says "expected one
+    argument". Here quotes group words, and a value that looks like a
+    negative number is kept with its option, to be refused for what it is.
+    """
+    try:
+        words = shlex.split(line)
+    except ValueError as error:  # "No closing quotation", "No escaped character"
+        raise UsageError(
+            f"can't read the options {line.strip()!r} ({error}): close the quote, e.g. --capacity '16 GiB'"
+        ) from None
+    # argparse has no public list of the options that take a value
+    takes_value = {
+        option for action in parser._actions if action.option_strings and action.nargs is None
+        for option in action.option_strings
+    }
+    joined: list[str] = []
+    for word in words:
+        if joined and joined[-1] in takes_value and _NEGATIVE.match(word):
+            joined[-1] = f"{joined[-1]}={word}"
+        else:
+            joined.append(word)
+    return parser.parse_args(joined)
+
+
+_NEGATIVE = re.compile(r"-\.?[0-9]")
+
+
+def _stopped(gauge: LiveGauge | None) -> str | None:
+    """Stop a cell's gauge; the display id its report goes in place of, or None (the report shows as usual)."""
+    if gauge is None:
+        return None
+    gauge.stop()
+    view = gauge.show
+    return view.display_id if gauge.usable and isinstance(view, display.GaugeView) else None
+
+
+def _is_nbmem_cell(source: str) -> bool:
+    """``%%gpumem`` cells record themselves; ``%gpumem ...`` lines are nbmem's own commands."""
+    return first_line(source).startswith(("%%gpumem", "%gpumem"))
+
+
+@magics_class
+class GpuMemMagics(Magics):
+    """Holds the session state; registered once per shell by :func:`load`."""
+
+    #: Always the shell it was registered on (IPython's Magics allows None).
+    shell: Any
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.session = _Session()
+
+    @magic_arguments()
+    @argument(
+        "action",
+        nargs="?",
+        help="line form only: on, off, history, reset or free",
+    )
+    @argument("-o", "--output", action="store_true", help="return the result object (it lands in Out)")
+    @argument("-q", "--quiet", action="store_true", help="show nothing; the result still goes to the history")
+    @argument("--text", action="store_true", help="show the report as plain text, no widget or HTML")
+    @argument(
+        "--no-live",
+        action="store_true",
+        help="no live gauge while the cell runs (with `on`: no live line for long cells); "
+        "it shows only in a frontend someone watches, such as JupyterLab",
+    )
+    @argument("--timeline", action="store_true", help="also plot live memory op by op, stacked by category, the peak named")
+    @argument("--free-on-oom", action="store_true", help="after an out-of-memory error, release the failed cell's frames at once (%%debug is then unavailable)")
+    @argument("--breakdown", action="store_true", help="also show what the memory at the peak was for: by category and module")
+    @argument(
+        "--capacity",
+        default=None,
+        help="a virtual device: a size (16GiB, 512MiB) or a preset (T4, A100-40GB, ...); "
+        "an allocation beyond it raises torch.OutOfMemoryError",
+    )
+    @argument("--device", default=None, help="device to measure: cuda:N, cuda or cpu (default: current CUDA device, else cpu)")
+    @argument(
+        "--backend",
+        default="auto",
+        help="auto (CUDA statistics when there is a GPU, else tracked), cuda, or tracked (count tensors, any device)",
+    )
+    @argument(
+        "--engine",
+        default="dispatch",
+        help="how tracked mode sees memory: dispatch (every op, the default) or native "
+        "(the CPU allocator's blocks counted in C++: no slowdown per op; no --capacity or --timeline)",
+    )
+    @output_can_be_silenced  # a trailing `;` hides the cell's value, as in any IPython cell
+    @line_cell_magic
+    def gpumem(self, line: str = "", cell: str | None = None) -> Any:
+        """Measure the GPU memory a cell uses: peak, retained, reserved, time, share of the device.
+
+        Usage, on a cell::
+
+          %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--capacity SIZE_OR_PRESET]
+                   [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}] [--engine {dispatch,native}]
+
+        and as a line::
+
+          %gpumem on [-q] [--no-live] [--capacity C] [--device D] [--backend B] [--engine E]   measure every following cell
+          %gpumem off [-q]                                            stop measuring every cell
+          %gpumem history [-o] [-q] [--text]                          table and chart of measured cells
+          %gpumem reset [-q]                                          forget the history
+          %gpumem free [-o] [-q] [--device D]                         release what failed cells and Out keep alive
+
+        ``-o``/``--output`` returns the result (a :class:`~nbmem.MemoryResult`,
+        the :class:`~nbmem.History`, or what ``free`` gave back), so it lands
+        in ``Out``; ``-q``/``--quiet`` shows nothing (measured cells still go
+        to the history); ``--text`` prints plain text instead of the widget.
+        ``--device`` picks the device (``cuda:N``, ``cuda`` or ``cpu``;
+        default: the current CUDA device, else the CPU) and ``--backend`` how
+        to count (``auto``, ``cuda`` or ``tracked``). Tracked on the CPU,
+        ``--engine native`` counts the CPU allocator's blocks in C++
+        instead of seeing every op from Python: the cell runs at about its
+        untracked speed (the default ``dispatch`` engine costs 1.1-1.2x); it
+        builds a small library with the system's C++ compiler once, and has
+        no ``--capacity``, ``--timeline`` or op at the peak. Options are read as a
+        shell reads words: quote a value with a space (``--capacity '16 GiB'``).
+        A ``;`` ending the cell's last line hides its value, as IPython does
+        (with ``-o``, the result too; the report then still shows).
+
+        With a CUDA device the figures are *measured* by PyTorch's caching
+        allocator. Without one (or with ``--backend tracked``) the cell still
+        runs and nbmem *tracks* every tensor it makes, reporting the bytes a
+        GPU would allocate for them. Each report says which.
+
+        Live: in a frontend someone watches (JupyterLab, Notebook 7), a cell
+        that runs longer than half a second shows a gauge while it runs:
+        allocated now and the peak so far, against the device's capacity, and
+        the time, updated twice a second; the report then takes its place.
+        ``%gpumem on`` shows a compact live line for cells longer than about
+        2 s. ``--no-live`` turns either off. A terminal, ``nbmem profile`` or
+        nbclient shows nothing live.
+
+        Figures: ``peak`` is the highest allocated memory while the cell ran,
+        above what was allocated before it; ``retained`` is allocated after
+        minus before; ``reserved`` includes the allocator's cache of freed
+        blocks; ``device`` is the driver's view (with the CUDA context and
+        other processes).
+
+        ``--breakdown`` splits the memory at the peak into parameters,
+        buffers, gradients, optimizer state, activations (what autograd saved
+        for backward) and other, and by top-level module. ``--capacity T4``
+        runs the cell as if on a smaller device: the op that would not fit
+        raises ``torch.OutOfMemoryError``, as CUDA would. After any
+        out-of-memory error the report explains it: the largest live tensors
+        and what would help, with estimated savings; ``--free-on-oom`` then
+        releases the failed cell's frames at once (``%debug`` can no longer
+        inspect them). ``--timeline`` plots live memory op by op.
+
+        Examples::
+
+          %%gpumem
+          loss = model(x).sum(); loss.backward(); opt.step()
+
+          %%gpumem --breakdown --capacity T4
+          loss = model(x).sum(); loss.backward(); opt.step()
+
+          %%gpumem -o --backend tracked
+          y = model(x)
+
+          %%gpumem --breakdown --engine native
+          loss = model(x).sum(); loss.backward(); opt.step()
+
+          report = _            # the MemoryResult, after -o
+
+          %gpumem on --capacity 16GiB
+          %gpumem history
+          %gpumem off
+          %gpumem free
+        """
+        __tracebackhide__ = True
+        args = _parse_options(self.gpumem.parser, line if cell is not None else _unsilenced(line))
+        if args.backend not in BACKENDS:
+            raise UsageError(f"--backend {args.backend!r} is not known: use one of {', '.join(BACKENDS)}")
+        if args.engine not in ENGINES:
+            raise UsageError(f"--engine {args.engine!r} is not known: use one of {', '.join(ENGINES)}")
+        try:
+            resolved = resolve_backend(args.backend, args.device)
+            if args.capacity is not None:
+                from ..core.devices import parse_capacity
+
+                parse_capacity(args.capacity)
+            if args.engine == "native" and (cell is not None or args.action == "on"):
+                native_engine(*resolved, args.capacity, args.timeline)  # builds the library once
+        except (ValueError, RuntimeError) as error:  # RuntimeError: NativeUnavailable, saying why
+            raise UsageError(str(error)) from None
+        if cell is not None:
+            if args.action is not None:
+                raise UsageError(
+                    f"%%gpumem measures the cell below it and takes only options, not {args.action!r}; "
+                    "to turn on measuring every cell write `%gpumem on` as a line of its own"
+                )
+            return self._measure_cell(cell, args)
+        if args.action is None:
+            raise UsageError(
+                "%gpumem needs an action: on, off, history or reset; to measure a cell, put %%gpumem on its first line"
+            )
+        if args.action not in ACTIONS:
+            raise UsageError(f"%gpumem {args.action!r} is not known: use one of {', '.join(ACTIONS)}")
+        return getattr(self, f"_action_{args.action}")(args)
+
+    # -- one cell ---------------------------------------------------------
+
+    def _measure_cell(self, cell: str, args: Any) -> Any:
+        __tracebackhide__ = True
+        shell = self.shell
+        count = self.session.cell_number
+        source = shell.transform_cell(cell)
+        # Cache the source under a cell name so tracebacks show the user's lines.
+        filename = shell.compile.cache(source, count or 0, raw_code=cell)
+        tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
+        body = shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec")
+        namespace = shell.user_ns
+
+        scope = MemoryScope(
+            args.backend,
+            args.device,
+            label=first_line(cell),
+            execution_count=count,
+            breakdown=args.breakdown,
+            capacity=args.capacity,
+            timeline=args.timeline,
+            engine=args.engine,
+        )
+        gauge: LiveGauge | None = None
+        # start and stop inside the try: Ctrl-C between scope.start() returning and the try, or on
+        # the line that calls stop(), would otherwise leave the tracker installed (issue 12)
+        try:
+            scope.start()
+            gauge = self._live_gauge(scope, args)
+            exec(body, namespace)
+            value = eval(last, namespace) if last is not None else None
+            result = scope.stop()
+        except BaseException as error:
+            if scope.running:
+                failed = scope.stop(error)
+                self._report(failed, args, scope, error, in_place=_stopped(gauge))
+            raise
+        finally:
+            if gauge is not None:  # again after an interrupt in the lines above: stopping twice is harmless
+                gauge.stop()
+        # IPython drops what the magic returns after a trailing `;` (output_can_be_silenced): with -o
+        # the report is then the only sign of the result, so it shows
+        silenced = DisplayHook.semicolon_at_end_of_expression(cell)
+        self._report(result, args, shown_as_out=args.output and not silenced, in_place=_stopped(gauge))
+        if args.output:
+            # The result is the cell's Out and displays there; the cell's own
+            # last value is shown above it instead.
+            if value is not None and not silenced:
+                display.show_value(value)
+            return result
+        return value
+
+    def _report(
+        self,
+        result: MemoryResult,
+        args: Any,
+        scope: MemoryScope | None = None,
+        error: BaseException | None = None,
+        *,
+        shown_as_out: bool = False,
+        in_place: str | None = None,
+    ) -> None:
+        self.session.record(result)
+        if not (args.quiet or shown_as_out):
+            display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell, display_id=in_place)
+        elif in_place is not None:  # the result is Out (-o): the gauge makes way for it
+            display.clear_gauge(in_place)
+        if not args.quiet and result.timeline is not None:
+            display.show_timeline(result.timeline)
+        if scope is not None and error is not None and is_out_of_memory(error):
+            if not args.quiet:
+                display.show_value(diagnose(result, scope.tracker, self.shell.user_ns, error))
+            if args.free_on_oom:
+                from ..tracking.reclaim import release_error
+
+                reclaimed = release_error(error, device=args.device)
+                if not args.quiet:
+                    display.show_value(reclaimed)
+
+    def _live(self, quiet: bool, no_live: bool) -> bool:
+        """Whether a gauge may show: asked for, and someone is watching (see _env.FrontendProbe)."""
+        probe = self.session.frontend
+        return not (quiet or no_live) and probe is not None and probe.watching(self.shell)
+
+    def _live_gauge(self, scope: MemoryScope, args: Any) -> LiveGauge | None:
+        """A running gauge for a ``%%gpumem`` cell, or None where nothing live may show."""
+        if args.text or not self._live(args.quiet, args.no_live):
+            return None
+        return LiveGauge(
+            scope, display.GaugeView(), capacity=capacity_of(scope), capacity_label=virtual_label(scope), delay=CELL_DELAY
+        ).start()
+
+    # -- line actions -------------------------------------------------------
+
+    def _action_on(self, args: Any) -> None:
+        self.session.every_cell = _EveryCell(
+            args.backend, args.device, args.quiet, args.capacity, live=not args.no_live, engine=args.engine
+        )
+        if not args.quiet:
+            mode, device = resolve_backend(args.backend, args.device)
+            engine = " (native engine)" if args.engine == "native" else ""
+            print(f"gpumem: every cell from now on is {mode} on {device}{engine} (`%gpumem off` stops)")
+
+    def _action_off(self, args: Any) -> None:
+        self.session.every_cell = None
+        if not args.quiet:
+            print("gpumem: stopped measuring every cell; `%gpumem history` shows what was measured")
+
+    def _action_history(self, args: Any) -> History | None:
+        if args.output:
+            return self.session.history
+        if not args.quiet:
+            display.show_history(self.session.history, text=args.text)
+        return None
+
+    def _action_free(self, args: Any) -> Any:
+        from ..tracking.reclaim import free
+
+        reclaimed = free(self.shell, device=args.device)
+        if args.output:
+            return reclaimed
+        if not args.quiet:
+            display.show_value(reclaimed)
+        return None
+
+    def _action_reset(self, args: Any) -> None:
+        self.session.history.clear()
+        if not args.quiet:
+            print("gpumem: history cleared")
+
+    # -- every cell (IPython events) ---------------------------------------
+
+    def pre_run_cell(self, info: Any) -> None:
+        session = self.session
+        if session.pending is not None:  # a previous post_run_cell never came, or was interrupted
+            if session.pending.running:
+                session.pending.stop()
+            session.pending = None
+        _stopped(session.pending_gauge)
+        session.pending_gauge = None
+        stored = getattr(info, "store_history", True)
+        session.cell_number = self.shell.execution_count - 1 if stored else None
+        if session.every_cell is None and session.log_path is None:
+            return
+        raw = getattr(info, "raw_cell", "") or ""
+        if _is_nbmem_cell(raw):
+            return
+        options = session.every_cell or session.log_options
+        scope = MemoryScope(
+            options.backend, options.device, label=first_line(raw), execution_count=session.cell_number,
+            capacity=options.capacity, engine=options.engine,
+        )
+        session.pending = scope.start()
+        every = session.every_cell
+        if every is not None and every.live and self._live(every.quiet, False):
+            view = display.GaugeView(compact=True)
+            session.pending_gauge = LiveGauge(
+                scope, view, capacity=capacity_of(scope), capacity_label=virtual_label(scope), delay=LINE_DELAY
+            ).start()
+
+    def post_run_cell(self, result: Any) -> None:
+        session = self.session
+        scope = session.pending  # cleared once stopped: a Ctrl-C on stop()'s entry leaves it to the next cell
+        gauge, session.pending_gauge = session.pending_gauge, None
+        session.cell_number = None
+        if scope is None:
+            _stopped(gauge)
+            return
+        error = None
+        if result is not None:
+            error = result.error_in_exec or result.error_before_exec
+        measured = scope.stop(error)
+        session.pending = None
+        in_place = _stopped(gauge)  # after the scope: the join is not in the cell's time
+        if session.every_cell is None and session.log_path is None:
+            if in_place is not None:
+                display.clear_gauge(in_place)
+            return  # this cell ran `%gpumem off`
+        session.record(measured)
+        if session.every_cell is not None and not session.every_cell.quiet:
+            display.show_line(measured, display_id=in_place)
+
+
+def _registered(shell: Any) -> GpuMemMagics | None:
+    magics = shell.magics_manager.registry.get(GpuMemMagics.__name__)
+    return magics if isinstance(magics, GpuMemMagics) else None
+
+
+def load(shell: Any, *, probe: bool = True) -> GpuMemMagics:
+    """Register the magics and the two cell events; loading twice changes nothing.
+
+    In a Jupyter kernel, ``probe`` asks whether a frontend is watching, for
+    the live gauge (:class:`~nbmem.core._env.FrontendProbe`); ``nbmem profile``
+    loads without asking, as nobody watches it.
+    """
+    magics = _registered(shell)
+    if magics is None:
+        magics = GpuMemMagics(shell)
+        if probe and _env.frontend(shell) == "kernel":
+            magics.session.frontend = _env.FrontendProbe()
+        shell.register_magics(magics)
+        shell.events.register("pre_run_cell", magics.pre_run_cell)
+        shell.events.register("post_run_cell", magics.post_run_cell)
+    return magics
+
+
+def unload(shell: Any) -> None:
+    """Remove everything :func:`load` added and stop any scope still open."""
+    magics = _registered(shell)
+    if magics is None:
+        return
+    for event, callback in (("pre_run_cell", magics.pre_run_cell), ("post_run_cell", magics.post_run_cell)):
+        try:
+            shell.events.unregister(event, callback)
+        except ValueError:
+            pass
+    _stopped(magics.session.pending_gauge)
+    magics.session.pending_gauge = None
+    if magics.session.frontend is not None:
+        magics.session.frontend.close()
+    if magics.session.pending is not None:
+        if magics.session.pending.running:
+            magics.session.pending.stop()
+        magics.session.pending = None
+    for kind in ("line", "cell"):
+        if shell.magics_manager.magics[kind].get("gpumem") == getattr(magics, "gpumem"):
+            del shell.magics_manager.magics[kind]["gpumem"]
+    del shell.magics_manager.registry[GpuMemMagics.__name__]
+
+
+def _session(shell: Any = None) -> _Session:
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    magics = _registered(shell) if shell is not None else None
+    if magics is None:
+        raise RuntimeError("nbmem's extension is not loaded here: run `%load_ext nbmem` first")
+    return magics.session
+
+
+def history(shell: Any = None) -> History:
+    """The measured cells of this IPython session (``%gpumem history -o`` returns the same).
+
+    ``shell`` defaults to the running IPython shell, which must have loaded
+    the extension (``%load_ext nbmem``). The :class:`~nbmem.History` is live:
+    cells measured later are appended to it. Plain Python has no cells and no
+    session: there, and in a shell without the extension, RuntimeError says
+    what to do instead (build a ``nbmem.History`` of your own results).
+
+    Example, in a notebook::
+
+        %load_ext nbmem
+        %gpumem on                       # or put %%gpumem on the cells
+        ...
+        cells = nbmem.history()
+        cells[-1].peak                   # the last measured cell's peak, in bytes
+        cells.to_dataframe()             # with pandas
+
+    and in plain Python, where there is no session to read:
+
+    >>> import nbmem, torch
+    >>> with nbmem.track("cpu") as scope:
+    ...     x = torch.ones(256)            # 256 * 4 bytes = 1024
+    >>> nbmem.History([scope.result]).to_records()[0]["retained"]
+    1024
+    """
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is None:
+            # A plain `python` process or script: no IPython shell, so no cells
+            # were measured and no session exists to read them from.
+            raise RuntimeError(
+                "nbmem.history() lists the cells that %%gpumem and `%gpumem on` measured in IPython or "
+                "Jupyter; this is plain Python (no IPython shell is running), so there are none. Keep the "
+                "results you measure and make the same table yourself: `with nbmem.measure() as first: ...` "
+                "then `nbmem.History([first.result, second.result])` (.to_records(), .to_dataframe(), .plot())"
+            )
+    if _registered(shell) is None:
+        raise RuntimeError(
+            "nbmem.history() lists the cells nbmem measured, and nbmem's extension is not loaded in this "
+            "shell: run `%load_ext nbmem`, then put %%gpumem on a cell (or run `%gpumem on`)"
+        )
+    return _session(shell).history
+
+
+def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str | None = None) -> None:
+    """Measure every cell quietly and append each result to ``path`` as a JSON line.
+
+    Used by ``nbmem profile``; independent of ``%gpumem on``/``off`` (a cell
+    under ``%gpumem on`` is measured as that asks). Raises ValueError for a
+    backend or device that can't be used here.
+    """
+    mode, resolved = resolve_backend(backend, device)
+    if mode == "tracked":
+        # The first tracker costs seconds (PyTorch imports torch._dynamo on the
+        # first dispatch-mode call, see Tracker.__init__): paid here, in
+        # `nbmem profile`'s setup, not in the notebook's first cell and its --timeout.
+        default_tracker(resolved)
+    load(shell, probe=False)
+    session = _session(shell)
+    session.log_path = path
+    session.log_options = _EveryCell(backend, device, quiet=True)

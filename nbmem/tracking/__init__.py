@@ -1,0 +1,12 @@
+"""Measuring and tracking: what a real run holds, seen while it runs.
+
+Peak counters, the CUDA one included (:mod:`.counters`); the tracked mode's two
+engines, a dispatch mode (:mod:`.tracker`, :mod:`.dispatch`) and the CPU
+allocator wrapped in C++ (:mod:`.native`, :mod:`.native_tracking`, ``_native/``);
+what they install and how it comes out again (:mod:`.installed`); attribution
+to categories and modules (:mod:`.categories`); the baseline walk of live
+tensors (:mod:`.live`); nestable scopes, the API of ``nbmem.measure`` and
+``nbmem.track`` (:mod:`.scope`); the timeline, out-of-memory diagnosis and
+reclaiming what failed cells hold (:mod:`.timeline`, :mod:`.diagnosis`,
+:mod:`.reclaim`). Built on :mod:`nbmem.core` only.
+"""

@@ -1,0 +1,414 @@
+// nbmem's native engine for tracked mode: CPU allocations accounted in C++ (issue 12).
+//
+// A Python dispatch mode costs every op a trip into Python: 1.05-1.13x on
+// small training steps before any accounting (benchmarks/bench_mode_floor.py).
+// This library sees allocations instead. The CPU allocator registered with
+// c10 (c10::GetAllocator(kCPU), what at::empty and CPU kernels allocate
+// through; raw_allocate too, as mkldnn does) is wrapped when the first block
+// is tracked, at the priority it had, and stays wrapped until nbmem is
+// unloaded (nbmem_unregister): between blocks the wrapper only passes
+// allocations through, so that memory raw-allocated in a block and handed to
+// raw_deallocate after it (mkldnn's buffers look the allocator up again to free)
+// is still counted out, and c10's registry, not thread-safe, is written twice
+// rather than at every block. While a block is tracked an allocation goes to the
+// original allocator and is counted; its DataPtr keeps the allocation's own
+// address as its context (a "simple" data pointer, as c10's copy-on-write and
+// raw_deallocate expect) with a deleter of this library's, which counts the
+// free, from any thread and at any time, and then calls the original deleter.
+// Nothing else of torch is touched: torch.profiler runs inside a tracked block
+// and sees what it always sees.
+//
+// Everything a tracker needs per event happens here, under one mutex: live
+// blocks by address (each rounded up to the CUDA allocator's 512 B), bytes by
+// category and by module, the running peak and the breakdown at that peak.
+// Python classifies (a parameter, a gradient, a saved activation) from the
+// hooks nbmem.tracking.categories installs, adopts the storages alive before (their
+// frees come from weak references whose callbacks are nbmem_release), and
+// reads the figures. The accounting mirrors nbmem/tracking/tracker.py's Tracker
+// (classify, _grow, _release, _settle_peak).
+//
+// Loaded with ctypes.PyDLL (the GIL is held in every call from Python); plain
+// C entry points.
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/core/StorageImpl.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdint>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace torch::autograd {
+// torch/csrc/autograd/graph_task.h (declared here: that header pulls in the whole engine);
+// -1 outside a backward, as torch._C._current_graph_task_id returns it
+TORCH_API int get_current_graph_task_id();
+}  // namespace torch::autograd
+
+namespace {
+
+constexpr int kCategories = 7;  // nbmem.core.results.CATEGORIES, most specific first; "other" last
+constexpr int kOther = kCategories - 1;
+constexpr int kNoModule = -1;  // made outside any module
+constexpr int kBackward = -2;  // made during autograd's backward
+constexpr int kKeep = INT_MIN;  // classify: leave the module as it is
+
+struct Block {
+  int64_t size;
+  int32_t category;
+  int32_t module;
+  int64_t born;  // event number; -1 for blocks alive before tracking saw them (adopted)
+  int64_t serial;  // which block at this address: a weak reference releases only its own
+  int64_t watchers;  // adopted: storages whose weak references hold it (lazy clones share one)
+};
+
+struct Accounts {
+  std::mutex mutex;
+  std::unordered_map<int64_t, Block> live;
+  int64_t block = 512;
+  int64_t events = 0;
+  int64_t serials = 0;
+  int64_t allocated = 0;
+  int64_t peak = 0;
+  int64_t adopted = 0;  // bytes found alive before tracking saw them
+  int64_t categories[kCategories] = {};
+  std::vector<int64_t> modules = std::vector<int64_t>(2, 0);  // index: module id + 2
+  // the breakdown at the running peak, taken lazily (nbmem.tracking.tracker.Tracker._settle_peak)
+  bool settled = false;
+  int64_t peak_event = 0;
+  int32_t peak_module = kNoModule;
+  int64_t peak_categories[kCategories] = {};
+  std::vector<int64_t> peak_modules = std::vector<int64_t>(2, 0);
+  int32_t module = kNoModule;  // the top-level module running now (set from Python's forward hooks)
+
+  int64_t rounded(int64_t nbytes) const { return (nbytes + block - 1) / block * block; }
+
+  int64_t& module_bytes(std::vector<int64_t>& table, int32_t id) {
+    size_t index = static_cast<size_t>(id + 2);
+    if (index >= table.size()) table.resize(index + 1, 0);
+    return table[index];
+  }
+
+  void settle() {
+    if (settled) return;
+    std::copy(categories, categories + kCategories, peak_categories);
+    peak_modules = modules;
+    settled = true;
+  }
+
+  void grow(int64_t size, int32_t in_module) {
+    allocated += size;
+    if (allocated > peak) {
+      peak = allocated;
+      settled = false;
+      peak_event = events;
+      peak_module = in_module;
+    }
+  }
+
+  int64_t add(int64_t ptr, int64_t size, int32_t in_module, int64_t born) {
+    live[ptr] = Block{size, kOther, in_module, born, ++serials, 1};
+    categories[kOther] += size;
+    module_bytes(modules, in_module) += size;
+    return serials;
+  }
+
+  void remove(std::unordered_map<int64_t, Block>::iterator it) {
+    if (allocated == peak) settle();
+    const Block& found = it->second;
+    allocated -= found.size;
+    categories[found.category] -= found.size;
+    module_bytes(modules, found.module) -= found.size;
+    live.erase(it);
+  }
+
+  // a new block, counted now; returns its serial
+  int64_t allocation_seen(int64_t ptr, int64_t nbytes, int32_t in_module) {
+    ++events;
+    auto stale = live.find(ptr);
+    // an adopted block here died unseen (resized in place before it was watched again): gone
+    if (stale != live.end()) remove(stale);
+    int64_t size = rounded(nbytes);
+    int64_t serial = add(ptr, size, in_module, events);
+    grow(size, in_module);
+    return serial;
+  }
+
+  void free_seen(int64_t ptr) {
+    auto it = live.find(ptr);
+    if (it == live.end()) return;
+    ++events;
+    remove(it);
+  }
+};
+
+// Never destroyed: a block allocated while a block was tracked may be freed during the process's
+// exit, by another library's static destructor, after this library's own statics are gone.
+Accounts& accounts = *new Accounts;
+
+// A child forked while another thread holds the mutex would wait on it for ever: fork takes it
+// first, and both sides let go (a DataLoader's workers fork while a block is tracked).
+void before_fork() { accounts.mutex.lock(); }
+void after_fork() { accounts.mutex.unlock(); }
+const int fork_handlers = pthread_atfork(before_fork, after_fork, after_fork);
+
+// -- the wrapping allocator ------------------------------------------------
+
+c10::Allocator* inner = nullptr;  // the CPU allocator that was registered when nbmem first wrapped it
+c10::DeleterFnPtr inner_deleter = nullptr;  // its deleter for a simple data pointer
+uint8_t inner_priority = 0;  // the priority it was registered with (found when wrapping it)
+std::atomic<bool> counting_on{false};  // a block is tracked: count; else pass allocations through
+
+void counted_delete(void* data) {
+  {
+    // counted first: once the memory is back, another thread may be given the same address
+    std::lock_guard<std::mutex> guard(accounts.mutex);
+    accounts.free_seen(reinterpret_cast<int64_t>(data));
+  }
+  inner_deleter(data);
+}
+
+struct CountingAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    c10::DataPtr made = inner->allocate(nbytes);
+    if (!counting_on.load(std::memory_order_relaxed)) return made;
+    void* data = made.get();
+    if (data == nullptr || made.get_context() != data || made.get_deleter() != inner_deleter) {
+      return made;  // not a simple data pointer of the allocator wrapped: left as it is, uncounted
+    }
+    c10::Device device = made.device();
+    made.release_context();
+    int32_t in_module = torch::autograd::get_current_graph_task_id() != -1 ? kBackward : kNoModule;
+    {
+      std::lock_guard<std::mutex> guard(accounts.mutex);
+      if (in_module != kBackward) in_module = accounts.module;
+      accounts.allocation_seen(reinterpret_cast<int64_t>(data), static_cast<int64_t>(nbytes), in_module);
+    }
+    return {data, data, &counted_delete, device};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+CountingAllocator& counting = *new CountingAllocator;  // never destroyed, for the same reason
+
+}  // namespace
+
+extern "C" {
+
+// Registers the counting allocator in place of the CPU allocator, at its priority, if not yet.
+// 0: registered now or before; 2: the registered CPU allocator can't be wrapped (no raw deleter);
+// 3: another CPU allocator was registered since nbmem first wrapped one.
+int register_counting() {
+  c10::Allocator* current = c10::GetAllocator(c10::DeviceType::CPU);
+  if (current == &counting) return 0;
+  c10::DeleterFnPtr deleter = current->raw_deleter();
+  if (deleter == nullptr) return 2;
+  if (inner != nullptr && (inner != current || inner_deleter != deleter)) return 3;
+  inner = current;
+  inner_deleter = deleter;
+  // SetAllocator replaces only at a priority at least the registered one's, and nothing says
+  // which that is: the first that takes is it, and putting the original back there restores it
+  for (int priority = 0; priority <= UINT8_MAX; ++priority) {
+    c10::SetAllocator(c10::DeviceType::CPU, &counting, static_cast<uint8_t>(priority));
+    if (c10::GetAllocator(c10::DeviceType::CPU) == &counting) {
+      inner_priority = static_cast<uint8_t>(priority);
+      return 0;
+    }
+  }
+  return 2;
+}
+
+// Start counting (a block is tracked). 0: counting; 2 or 3: see register_counting.
+int nbmem_install() {
+  int refused = register_counting();
+  if (refused == 0) counting_on.store(true);
+  return refused;
+}
+
+// Stop counting; the wrapper stays registered and passes allocations through. 1 if it was counting.
+int nbmem_uninstall() {
+  bool was = counting_on.exchange(false);
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  accounts.module = kNoModule;
+  return was ? 1 : 0;
+}
+
+// Whether allocations are being counted now.
+int nbmem_installed() { return counting_on.load() ? 1 : 0; }
+
+// Whether the counting allocator is c10's CPU allocator (counting or passing through).
+int nbmem_registered() { return c10::GetAllocator(c10::DeviceType::CPU) == &counting ? 1 : 0; }
+
+// Put the original CPU allocator back (nbmem unloaded). 1: back; 0: nbmem's was not registered;
+// -1: someone registered theirs above nbmem's meanwhile (theirs is left in place).
+int nbmem_unregister() {
+  counting_on.store(false);
+  if (c10::GetAllocator(c10::DeviceType::CPU) != &counting) return inner == nullptr ? 0 : -1;
+  for (int priority = inner_priority; priority <= UINT8_MAX; ++priority) {
+    c10::SetAllocator(c10::DeviceType::CPU, inner, static_cast<uint8_t>(priority));
+    if (c10::GetAllocator(c10::DeviceType::CPU) == inner) return 1;
+  }
+  return -1;
+}
+
+// The address of a storage's memory, without materializing a copy-on-write one (as
+// UntypedStorage.data_ptr() would): the argument is UntypedStorage._cdata.
+int64_t nbmem_storage_address(int64_t cdata) {
+  return reinterpret_cast<int64_t>(reinterpret_cast<c10::StorageImpl*>(cdata)->data());
+}
+
+void nbmem_reset(int64_t block) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  accounts.live.clear();
+  accounts.block = block > 0 ? block : 1;
+  accounts.events = accounts.allocated = accounts.peak = accounts.adopted = 0;
+  std::fill(accounts.categories, accounts.categories + kCategories, 0);
+  accounts.modules.assign(2, 0);
+  accounts.settled = false;
+  accounts.peak_event = 0;
+  accounts.peak_module = kNoModule;
+  accounts.module = kNoModule;
+}
+
+// A storage found alive: counted as there before every open scope (made_now 0) or as made
+// now (1: found at a block's end, made where no allocation was seen). Returns the block's
+// serial for its weak reference, 0 if a block at that address is known already.
+int64_t nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  auto known = accounts.live.find(ptr);
+  if (known != accounts.live.end()) {
+    if (known->second.born != -1) return 0;  // allocated while counting: its free is counted
+    ++known->second.watchers;  // adopted already, for another storage (a lazy clone): one more to die
+    return known->second.serial;
+  }
+  if (made_now) return accounts.allocation_seen(ptr, nbytes, kNoModule);
+  int64_t size = accounts.rounded(nbytes);
+  int64_t serial = accounts.add(ptr, size, kNoModule, -1);
+  accounts.allocated += size;
+  accounts.peak += size;  // there all along: the running peak includes it too
+  accounts.adopted += size;
+  if (accounts.settled) {
+    accounts.peak_categories[kOther] += size;
+    accounts.module_bytes(accounts.peak_modules, kNoModule) += size;
+  }
+  return serial;
+}
+
+// A weak reference's callback, (address, serial, the dead reference): an adopted storage died.
+void nbmem_release(int64_t ptr, int64_t serial, void* /* the weak reference */) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  auto it = accounts.live.find(ptr);
+  if (it == accounts.live.end() || it->second.serial != serial) return;
+  if (--it->second.watchers > 0) return;
+  ++accounts.events;
+  accounts.remove(it);
+}
+
+// Moves the block to a more specific category (and module, unless kKeep); 1 if the block is known.
+int nbmem_classify(int64_t ptr, int32_t category, int32_t module) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  auto it = accounts.live.find(ptr);
+  if (it == accounts.live.end() || category < 0 || category >= kCategories) return 0;
+  Block& found = it->second;
+  bool more_specific = category < found.category;
+  bool moved = module != kKeep && module != found.module;
+  if (!more_specific && !moved) return 1;
+  accounts.settle();
+  bool at_peak = found.born <= accounts.peak_event;  // alive at the peak: it moves in the peak's breakdown too
+  if (more_specific) {
+    accounts.categories[found.category] -= found.size;
+    accounts.categories[category] += found.size;
+    if (at_peak) {
+      accounts.peak_categories[found.category] -= found.size;
+      accounts.peak_categories[category] += found.size;
+    }
+    found.category = category;
+  }
+  if (moved) {
+    accounts.module_bytes(accounts.modules, found.module) -= found.size;
+    accounts.module_bytes(accounts.modules, module) += found.size;
+    if (at_peak) {
+      accounts.module_bytes(accounts.peak_modules, found.module) -= found.size;
+      accounts.module_bytes(accounts.peak_modules, module) += found.size;
+    }
+    found.module = module;
+  }
+  return 1;
+}
+
+// The live block at an address as (size, category, module, born); 0 if there is none.
+int nbmem_block(int64_t ptr, int64_t* out) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  auto it = accounts.live.find(ptr);
+  if (it == accounts.live.end()) return 0;
+  out[0] = it->second.size;
+  out[1] = it->second.category;
+  out[2] = it->second.module;
+  out[3] = it->second.born;
+  return 1;
+}
+
+void nbmem_set_module(int32_t module) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  accounts.module = module;
+}
+
+void nbmem_reset_peak() {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  accounts.peak = accounts.allocated;
+  accounts.settled = false;
+  accounts.peak_event = accounts.events;
+  accounts.peak_module = accounts.module;
+}
+
+// allocated, peak, adopted, events, live blocks, the peak's event and module
+void nbmem_figures(int64_t* out) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  out[0] = accounts.allocated;
+  out[1] = accounts.peak;
+  out[2] = accounts.adopted;
+  out[3] = accounts.events;
+  out[4] = static_cast<int64_t>(accounts.live.size());
+  out[5] = accounts.peak_event;
+  out[6] = accounts.peak_module;
+}
+
+// Bytes by category (7) then by module id + 2 (up to room - 7 of them), now or at the peak.
+// Returns how many module slots there are (call again with more room if that is more).
+int64_t nbmem_breakdown(int64_t* out, int64_t room, int at_peak) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  if (at_peak) accounts.settle();
+  const int64_t* categories = at_peak ? accounts.peak_categories : accounts.categories;
+  const std::vector<int64_t>& modules = at_peak ? accounts.peak_modules : accounts.modules;
+  std::copy(categories, categories + kCategories, out);
+  int64_t slots = static_cast<int64_t>(modules.size());
+  for (int64_t index = 0; index < slots && kCategories + index < room; ++index) out[kCategories + index] = modules[index];
+  return slots;
+}
+
+// Every live block as (address, size, category, module, born); returns how many there are.
+int64_t nbmem_blocks(int64_t* out, int64_t room) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  int64_t index = 0;
+  for (const auto& [ptr, found] : accounts.live) {
+    if ((index + 1) * 5 <= room) {
+      int64_t* row = out + index * 5;
+      row[0] = ptr;
+      row[1] = found.size;
+      row[2] = found.category;
+      row[3] = found.module;
+      row[4] = found.born;
+    }
+    ++index;
+  }
+  return index;
+}
+
+}  // extern "C"

@@ -1,0 +1,139 @@
+"""The native engine's library: built once from ``nbmem/tracking/_native/allocations.cpp``, loaded with ctypes.
+
+Tracked mode's dispatch mode costs each op a trip into Python; the native
+engine (:mod:`nbmem.tracking.native_tracking`) counts allocations in C++ instead, by
+wrapping the CPU allocator (the source says how). It is compiled on first use
+against the installed torch's headers with the system's C++ compiler (``g++``, or ``$CXX``):
+about 3 s on a 2-core machine, then cached under ``$NBMEM_CACHE`` (default
+``~/.cache/nbmem``) by a hash of the source, the torch build and the
+compiler, so a new torch gets a new build. No package is added for it:
+torch ships the headers and ``torch.utils.cpp_extension`` knows the paths and
+the ABI flag; ``ninja`` is not needed for one file.
+
+>>> lib = library()                # doctest: +SKIP
+>>> lib.nbmem_installed()          # doctest: +SKIP
+0
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["NativeUnavailable", "library", "available", "SOURCE", "cache_dir"]
+
+SOURCE = Path(__file__).with_name("_native") / "allocations.cpp"
+
+
+class NativeUnavailable(RuntimeError):
+    """The native engine can't be built or loaded here; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("NBMEM_CACHE") or Path.home() / ".cache" / "nbmem")
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+def _command(compiler: str, output: Path) -> list[str]:
+    import torch
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    libraries = cpp_extension.library_paths()
+    return [
+        compiler, "-O2", "-shared", "-fPIC", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        *(f"-I{path}" for path in cpp_extension.include_paths()),
+        str(SOURCE), "-o", str(output),
+        *(f"-L{path}" for path in libraries), "-lc10", "-ltorch_cpu",
+        *(f"-Wl,-rpath,{path}" for path in libraries),
+    ]
+
+
+def _build() -> Path:
+    import torch
+
+    compiler = _compiler()
+    if compiler is None:
+        raise NativeUnavailable(
+            "engine 'native' builds a small C++ library once and needs a C++ compiler (g++): install one "
+            "(apt-get install g++) or use engine='dispatch', the default"
+        )
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + f"{torch.__version__}|{torch.__file__}|{compiler}".encode()
+    ).hexdigest()[:16]
+    target = cache_dir() / f"allocations-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        built = Path(work) / target.name
+        try:
+            process = subprocess.run(_command(compiler, built), capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise NativeUnavailable(f"building nbmem's native engine failed ({error}): use engine='dispatch'") from None
+        if process.returncode != 0:
+            raise NativeUnavailable(
+                f"building nbmem's native engine with {compiler} failed (exit {process.returncode}); "
+                f"use engine='dispatch'. The compiler said:\n{process.stderr[-2000:]}"
+            )
+        os.replace(built, target)  # atomic: another process building the same key finds a whole file
+    return target
+
+
+@functools.cache
+def library() -> ctypes.PyDLL:
+    """The loaded library, built first if needed, its accounts empty; raises NativeUnavailable saying why not.
+
+    PyDLL: every call holds the GIL, so a call is one step that Ctrl-C can't cut in two.
+    """
+    import torch  # noqa: F401  (loads libc10 and libtorch_cpu, which the library links against)
+
+    from ..core.units import CUDA_BLOCK
+
+    try:
+        lib = ctypes.PyDLL(str(_build()))
+    except OSError as error:
+        raise NativeUnavailable(f"loading nbmem's native engine failed ({error}): use engine='dispatch'") from None
+    i64, i32, pointer = ctypes.c_int64, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)
+    signatures = {
+        "nbmem_install": ((), ctypes.c_int),
+        "nbmem_uninstall": ((), ctypes.c_int),
+        "nbmem_installed": ((), ctypes.c_int),
+        "nbmem_registered": ((), ctypes.c_int),
+        "nbmem_unregister": ((), ctypes.c_int),
+        "nbmem_storage_address": ((i64,), i64),
+        "nbmem_reset": ((i64,), None),
+        "nbmem_adopt": ((i64, i64, ctypes.c_int), i64),
+        "nbmem_release": ((i64, i64, ctypes.py_object), None),
+        "nbmem_classify": ((i64, i32, i32), ctypes.c_int),
+        "nbmem_block": ((i64, pointer), ctypes.c_int),
+        "nbmem_set_module": ((i32,), None),
+        "nbmem_reset_peak": ((), None),
+        "nbmem_figures": ((pointer,), None),
+        "nbmem_breakdown": ((pointer, i64, ctypes.c_int), i64),
+        "nbmem_blocks": ((pointer, i64), i64),
+    }
+    for name, (arguments, result) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes = arguments
+        function.restype = result
+    lib.nbmem_reset(CUDA_BLOCK)
+    return lib
+
+
+def available() -> bool:
+    """Whether the native engine can run here (builds it on the first call)."""
+    try:
+        library()
+    except NativeUnavailable:
+        return False
+    return True

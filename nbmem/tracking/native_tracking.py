@@ -1,0 +1,362 @@
+"""Tracked mode's native engine: CPU allocations counted in C++ (issue 12's overhead).
+
+The default engine (:mod:`nbmem.tracking.tracker`) sees every ATen op through a Python
+dispatch mode; PyTorch charges any such mode 1.05-1.13x on small training steps
+before it does anything (``benchmarks/bench_mode_floor.py``), and a mode on the
+stack changes a little what PyTorch allocates (with one on the stack,
+``at::isTensorSubclassLike`` is true of every tensor, and autograd accumulates
+gradients out of place). The native engine takes no trip
+into Python per op: c10's CPU allocator is wrapped by a small C++ one
+(``nbmem/tracking/_native/allocations.cpp``, built once by :mod:`nbmem.tracking.native`) that,
+while a block is tracked, counts each allocation and, whenever it happens, its
+free, keeping the live blocks, bytes by category and module, the running peak
+and the breakdown at it. Python still classifies from the same hooks
+(:class:`nbmem.tracking.categories.Attribution`: parameters, gradients, optimizer state,
+saved activations) and names the module running.
+
+What it counts differs from the default engine, and results say so:
+
+- allocations, not storages: a kernel's own scratch (an im2col buffer) is
+  counted while it lives, as the GPU counts cuDNN's workspace; the op at the
+  peak is not known (no op is seen), the module is;
+- every CPU allocation in the process while a block runs, on any thread, and
+  every free of those, wherever and whenever it happens (the allocator stays
+  registered between blocks, passing allocations through, for mkldnn's frees);
+  not what PyTorch allocates past the registered allocator
+  (``torch.UntypedStorage(n)``) or a DataLoader worker's shared memory;
+- the baseline is the storages alive when a block starts, found by walking
+  Python's objects as the default engine does; one made before tracking and
+  resized in place (``resize_``, FSDP2's parameter resizes) is counted at its
+  old size until a whole walk finds it again;
+- no virtual capacity and no timeline: those need every op (``engine="dispatch"``).
+
+>>> import torch
+>>> tracker = native_tracker()                        # doctest: +SKIP
+>>> with tracker:                                    # doctest: +SKIP
+...     kept = torch.ones(1024, 1024)                # 1024 * 1024 * 4 bytes = 4 MiB
+>>> tracker.by_category()["other"] >= 4 << 20        # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from .categories import BACKWARD, Attribution, remove_global_hooks
+from .counters import PeakScopes
+from .installed import Activation, forget_native, note_native
+from .live import walk
+from .native import NativeUnavailable, library
+from ..core.records import PeakDetail, StorageRecord, _device_test, _parts, _PLAIN, _wraps
+from ..core.results import CATEGORIES
+from ..core.units import CUDA_BLOCK
+
+__all__ = ["NativeTracker", "native_tracker", "NativeUnavailable"]
+
+_RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
+_NO_MODULE, _BACKWARD, _KEEP = -1, -2, -(2**31)  # the ids allocations.cpp uses
+_FIGURES = 7
+
+
+class NativeTracker(Activation):
+    """Live bytes of the CPU allocator's blocks, with a running peak and its breakdown, counted in C++.
+
+    The same protocol as :class:`nbmem.tracking.tracker.Tracker` for what scopes,
+    attribution and the walk of live tensors ask of a tracker. There is one
+    per process (the allocator is process-wide): :func:`native_tracker`.
+    """
+
+    _made = False
+
+    whole_device = True
+    adopt_unseen = True
+    fake = False
+    capacity: int | None = None
+    capacity_label = ""
+    last_oom = None
+
+    def __init__(self) -> None:
+        if NativeTracker._made:
+            raise RuntimeError("the CPU allocator is process-wide: use nbmem.tracking.native_tracking.native_tracker()")
+        self.device = torch.device("cpu")
+        self.block = CUDA_BLOCK
+        self._lib = library()  # raises NativeUnavailable saying why, before anything is installed
+        NativeTracker._made = True
+        self._on_device = _device_test(self.device)
+        self._holders: list[object] = []
+        self._attribution: Attribution | None = None
+        self._refused: dict[int, Any] = {}  # nothing is refused: no virtual capacity here
+        self._walked: tuple[int, int] | None = None
+        self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}  # as Tracker's (see nbmem.tracking.live)
+        # the storages adopted from a walk, by storage: (address, serial, weak reference). The
+        # references' callbacks (C functions: no Python runs in them, so Ctrl-C can't be swallowed
+        # there) free the block, that block only (its serial) if a resize moved the storage
+        self._watched: dict[int, tuple[int, int, weakref.ref[torch.UntypedStorage]]] = {}
+        self._module_ids: dict[str | None, int] = {None: _NO_MODULE, BACKWARD: _BACKWARD}
+        self._module_names: dict[int, str | None] = {_NO_MODULE: None, _BACKWARD: BACKWARD}
+        self._adopted_told = 0  # adopted bytes already passed to the open scopes
+        self._figures = (ctypes.c_int64 * _FIGURES)()
+        self._row = (ctypes.c_int64 * 4)()  # one block's (size, category, module, born)
+        self.scopes = PeakScopes(self)
+
+    # -- installing --------------------------------------------------------
+
+    def _install(self) -> None:
+        self._attribution = Attribution(self)
+        self._attribution.module_changed = self._module_changed
+        self._attribution.install()
+        note_native(self)  # before the allocator is registered: %unload_ext finds it whatever happens next
+        refused = self._lib.nbmem_install()
+        if refused >= 2:
+            raise NativeUnavailable(
+                "the CPU allocator registered with PyTorch can't be wrapped"
+                + (" (another was registered since nbmem wrapped the first)" if refused == 3 else "")
+                + ": use engine='dispatch'"
+            )
+
+    def _uninstall(self) -> None:
+        """Stop counting and remove every hook, looking at torch's own state; safe to repeat.
+
+        The counting allocator stays registered, passing allocations through: memory
+        mkldnn raw-allocated in a block is freed through whichever allocator is
+        registered then, and must still be counted out. :meth:`unregister` removes it.
+        """
+        self._lib.nbmem_uninstall()
+        if self._attribution is not None:
+            self._attribution.remove()
+        remove_global_hooks(self)
+        self._attribution = None
+
+    def unregister(self) -> None:
+        """Put PyTorch's own CPU allocator back (``%unload_ext nbmem``); the next block registers nbmem's again."""
+        self._uninstall()
+        self._lib.nbmem_unregister()
+        forget_native(self)
+
+    def installed(self) -> bool:
+        """Whether allocations are being counted now (a block is tracked)."""
+        return bool(self._lib.nbmem_installed())
+
+    def registered(self) -> bool:
+        """Whether nbmem's allocator is PyTorch's CPU allocator now (counting, or passing through)."""
+        return bool(self._lib.nbmem_registered())
+
+    # -- the peak-counter protocol ----------------------------------------
+
+    def _read(self) -> ctypes.Array[ctypes.c_int64]:
+        figures = self._figures
+        self._lib.nbmem_figures(figures)
+        told, adopted = self._adopted_told, figures[2]
+        if adopted != told:  # found late, there all along: raise every open scope alike
+            self._adopted_told = adopted  # first: an interrupt in adopt() must not have it told twice
+            self.scopes.adopt(adopted - told)
+        return figures
+
+    def allocated(self) -> int:
+        return int(self._read()[0])
+
+    def peak_allocated(self) -> int:
+        return int(self._read()[1])
+
+    def running_figures(self) -> tuple[int, int]:
+        """(allocated, peak) now, from any thread (the live gauge's timer)."""
+        figures = (ctypes.c_int64 * _FIGURES)()
+        self._lib.nbmem_figures(figures)
+        return figures[0], figures[1]
+
+    def reserved(self) -> None:
+        return None
+
+    def peak_reserved(self) -> None:
+        return None
+
+    def reset_peak(self) -> None:
+        self._lib.nbmem_reset_peak()
+
+    def peak_detail(self) -> PeakDetail:
+        figures = self._read()
+        categories, modules = self._breakdown(at_peak=True)
+        return PeakDetail(figures[5], None, self._module_names.get(figures[6]), categories, modules)
+
+    # -- what is live now ---------------------------------------------------
+
+    @property
+    def adopted(self) -> int:
+        return int(self._read()[2])
+
+    @property
+    def op_count(self) -> int:
+        """Allocator events seen (the native engine sees no ops)."""
+        return int(self._read()[3])
+
+    @property
+    def live_storages(self) -> int:
+        return int(self._read()[4])
+
+    def _breakdown(self, at_peak: bool) -> tuple[dict[str, int], dict[str | None, int]]:
+        room = len(CATEGORIES) + len(self._module_names) + 2
+        values = (ctypes.c_int64 * room)()
+        slots = self._lib.nbmem_breakdown(values, room, int(at_peak))
+        if len(CATEGORIES) + slots > room:
+            room = len(CATEGORIES) + slots
+            values = (ctypes.c_int64 * room)()
+            slots = self._lib.nbmem_breakdown(values, room, int(at_peak))
+        categories = dict(zip(CATEGORIES, values[: len(CATEGORIES)]))
+        modules: dict[str | None, int] = {}
+        for index in range(slots):
+            size = values[len(CATEGORIES) + index]
+            if size:
+                name = self._module_names.get(index - 2)
+                modules[name] = modules.get(name, 0) + size
+        return categories, modules
+
+    def by_category(self) -> dict[str, int]:
+        return self._breakdown(at_peak=False)[0]
+
+    def by_module(self) -> dict[str | None, int]:
+        return self._breakdown(at_peak=False)[1]
+
+    def largest(self, count: int = 10) -> list[tuple[int, StorageRecord]]:
+        """The ``count`` largest live blocks, as (address, record); shapes are not known to this engine."""
+        total = self.live_storages + 16
+        values = (ctypes.c_int64 * (total * 5))()
+        rows = min(self._lib.nbmem_blocks(values, total * 5), total)
+        blocks = sorted((values[index * 5: index * 5 + 5] for index in range(rows)), key=lambda row: -row[1])[:count]
+        return [(address, self._record(size, category, module, born)) for address, size, category, module, born in blocks]
+
+    def _record(self, size: int, category: int, module: int, born: int) -> StorageRecord:
+        record = StorageRecord(size, born, None, self._module_names.get(module), (), None)
+        record.category = CATEGORIES[category]
+        return record
+
+    def _block(self, tensor: torch.Tensor) -> int:
+        """The address of ``tensor``'s accounted block, its (size, category, module, born) in ``_row``; 0: none."""
+        address = self._address(tensor)
+        return address if address and self._lib.nbmem_block(address, self._row) else 0
+
+    def storage_key(self, tensor: torch.Tensor) -> int | None:
+        """The address under which ``tensor``'s storage is accounted, None if it is not."""
+        return self._block(tensor) or None
+
+    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
+        return self._record(*self._row) if self._block(tensor) else None
+
+    def module_of(self, tensor: torch.Tensor) -> str | None:
+        """The module ``tensor``'s block belongs to (None: outside modules, or not accounted)."""
+        return self._module_names.get(self._row[2]) if self._block(tensor) else None
+
+    def current_module(self) -> str | None:
+        return self._attribution.current_module() if self._attribution is not None else None
+
+    # -- the baseline ----------------------------------------------------------
+
+    def adopt_live(self) -> int:
+        """Count every storage alive on the CPU now (a scope's baseline); returns the bytes adopted.
+
+        Blocks counted earlier stay counted between blocks (the allocator's frees and the
+        weak references' keep them right), so after the first walk only the young
+        generations are looked at while no older one was collected (see :mod:`nbmem.tracking.live`).
+        """
+        if self._walked is None:
+            self._watched = {key: known for key, known in self._watched.items() if known[2]() is not None}
+        before = self.adopted
+        walk(self, adopt=True)
+        return self.adopted - before
+
+    def count_made_unseen(self) -> int:
+        """Count live tensors made where no allocation was seen (another allocator's) as allocated now."""
+        before = self.allocated()
+        walk(self, adopt=False, young=True)
+        return max(self.allocated() - before, 0)
+
+    def reconcile(self) -> None:
+        """Pass adopted bytes on to the open scopes; nothing else to mend: each change to the accounts is one C call."""
+        self._read()
+
+    def settle(self) -> None:
+        if self._attribution is not None:
+            self._attribution.settle()
+
+    def _count(self, tensor: torch.Tensor, adopt: bool) -> None:
+        """A tensor found alive by the walk: its block adopted (or counted as made now), its death watched."""
+        if type(tensor) not in _PLAIN and _wraps(type(tensor)) or tensor.layout is not torch.strided:
+            for part in _parts(tensor):
+                self._count(part, adopt)
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        if not storage.resizable() or storage.device.type != "cpu":
+            return  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
+        key = storage._cdata
+        address, nbytes = self._lib.nbmem_storage_address(key), storage.nbytes()
+        if not address or not nbytes:
+            return
+        known = self._watched.get(key)
+        if known is not None and known[2]() is storage:
+            if known[0] == address:
+                return
+            self._lib.nbmem_release(known[0], known[1], None)  # resized in place since: its old block is gone
+        serial = self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1)
+        if serial:
+            release = functools.partial(self._lib.nbmem_release, address, serial)
+            self._watched[key] = (address, serial, weakref.ref(storage, release))
+
+    # -- categories -----------------------------------------------------------
+
+    def classify(self, tensor: torch.Tensor, category: str, module: str | None = None) -> None:
+        """Say what ``tensor``'s block is for (and which module owns it); only ever more specific."""
+        if type(tensor) not in _PLAIN:
+            if _wraps(type(tensor)):  # a DTensor: what its local shard is for
+                for part in _parts(tensor):
+                    self.classify(part, category, module)
+                return
+            if isinstance(tensor, FakeTensor) or not self._on_device(tensor):
+                return  # an estimate's, inside a tracked block: it holds no memory
+        address = self._address(tensor)
+        if not address:
+            if tensor.layout is not torch.strided:  # a sparse tensor: what its indices and values are for
+                for part in _parts(tensor):
+                    self.classify(part, category, module)
+            return
+        module_id = _KEEP if module is None else self._module_id(module)
+        if not self._lib.nbmem_classify(address, _RANK[category], module_id):
+            self._count(tensor, adopt=True)  # made before tracking saw it, held only by C++ until now
+            self._lib.nbmem_classify(address, _RANK[category], module_id)
+
+    def _address(self, tensor: torch.Tensor) -> int:
+        """The address of ``tensor``'s CPU storage (a copy-on-write one left shared); 0: none (a fake tensor's...)."""
+        plain = type(tensor) in _PLAIN
+        if (plain and not tensor.is_cpu) or (not plain and isinstance(tensor, FakeTensor)):
+            return 0  # a fake tensor has no memory (asking for its data pointer warns)
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse: no storage of its own
+            return 0
+        if not plain and storage.device.type != "cpu":
+            return 0
+        return int(self._lib.nbmem_storage_address(storage._cdata))
+
+    def _module_id(self, name: str | None) -> int:
+        found = self._module_ids.get(name)
+        if found is None:
+            found = self._module_ids[name] = len(self._module_ids) - 2
+            self._module_names[found] = name
+        return found
+
+    def _module_changed(self, name: str | None) -> None:
+        # inside a backward (a checkpointed forward ran again) the allocator asks autograd itself
+        self._lib.nbmem_set_module(_NO_MODULE if name == BACKWARD else self._module_id(name))
+
+
+@functools.cache
+def native_tracker() -> NativeTracker:
+    """The process's one native tracker (the CPU allocator is process-wide); builds the library first."""
+    return NativeTracker()

@@ -1,0 +1,437 @@
+"""The public context managers: ``nbmem.measure()`` and ``nbmem.track()``.
+
+The magics are thin shells around :class:`MemoryScope`; it works the same in
+plain Python and in pytest::
+
+    with nbmem.measure() as scope:
+        loss = model(x).sum(); loss.backward()
+    print(scope.result.peak)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from .counters import CudaCounter, OpenScope, cuda_counter
+from ..core.results import CATEGORIES, Breakdown, MemoryResult
+from ..core.units import format_bytes
+from .timeline import op_name
+from .tracker import Recording, Tracker, default_tracker
+
+if TYPE_CHECKING:
+    from .native_tracking import NativeTracker
+
+__all__ = ["MemoryScope", "measure", "track", "resolve_backend", "native_engine", "tracker_alongside_note", "BACKENDS", "ENGINES"]
+
+Backend = Literal["auto", "cuda", "tracked"]
+BACKENDS = ("auto", "cuda", "tracked")
+Engine = Literal["dispatch", "native"]
+#: How tracked mode sees memory: every op through a Python dispatch mode (the
+#: default: exact storages, the op at the peak, virtual capacity, timelines), or
+#: the CPU allocator's blocks counted in C++ (nbmem.tracking.native_tracking: no trip
+#: into Python per op).
+ENGINES = ("dispatch", "native")
+
+
+def resolve_backend(backend: str = "auto", device: str | torch.device | None = None) -> tuple[str, torch.device]:
+    """Decide how to measure: ``("measured", cuda:N)`` or ``("tracked", device)``.
+
+    ``auto`` measures on CUDA when a device is available (or named) and tracks
+    otherwise. Raises ValueError saying how to fix a request that can't work.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    cuda = torch.cuda.is_available()
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"can't read device {str(device)!r}: write e.g. 'cuda:0', 'cuda' or 'cpu'") from error
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"nbmem measures 'cuda' and 'cpu' devices, not {device.type!r}")
+    if device is not None and device.type == "cuda":
+        if not cuda:
+            raise ValueError(
+                f"no CUDA device is available, so {device} can't be measured: "
+                "drop --device (nbmem then tracks on the cpu) or use --backend tracked --device cpu"
+            )
+        index = torch.cuda.current_device() if device.index is None else device.index
+        if index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
+            )
+        device = torch.device("cuda", index)
+    if backend == "cuda":
+        if not cuda:
+            raise ValueError("backend 'cuda' needs a CUDA device and none is available: use 'tracked' or 'auto'")
+        if device is not None and device.type != "cuda":
+            raise ValueError(f"backend 'cuda' measures a CUDA device, not {device}: drop --device or name 'cuda:N'")
+        return "measured", device or torch.device("cuda", torch.cuda.current_device())
+    if backend == "tracked":
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        return "tracked", device
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return ("measured" if device.type == "cuda" else "tracked"), device
+
+
+def tracker_alongside_note(same_without: str) -> str:
+    """What a measurement with nbmem's tracker beside it says of its peak: ``same_without`` names the run without it.
+
+    While any Python dispatch mode is on the stack, ``at::isTensorSubclassLike``
+    answers yes for every tensor, and autograd sums some gradients out of place
+    (ATen/TensorSubclassLikeUtils.h; measured on the CPU, tests/test_native.py).
+    """
+    return (
+        "the tracker's Python dispatch mode was on the stack, and PyTorch then sums some gradients out of place: "
+        f"the measured peak can be a little above the same {same_without} (seen on the CPU; untested on CUDA)"
+    )
+
+
+class MemoryScope:
+    """Measure the memory of a block of code; the result is in ``.result`` afterwards.
+
+    Use it as a context manager, or call :meth:`start` and :meth:`stop` (as
+    the ``%gpumem on`` hooks do). An exception inside the block propagates
+    unchanged; the result is still made, with ``error`` set to its type.
+
+    >>> with measure(backend="tracked", device="cpu") as scope:
+    ...     kept = torch.zeros(1024, 1024)          # 4 MiB
+    ...     dropped = torch.zeros(1024, 1024); del dropped
+    >>> scope.result.peak >> 20, scope.result.retained >> 20
+    (8, 4)
+    """
+
+    def __init__(
+        self,
+        backend: Backend = "auto",
+        device: str | torch.device | None = None,
+        *,
+        label: str = "",
+        execution_count: int | None = None,
+        tracker: Any = None,
+        breakdown: bool = False,
+        capacity: int | str | None = None,
+        timeline: bool = False,
+        engine: Engine = "dispatch",
+    ) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
+        if tracker is not None:
+            backend, device = "tracked", tracker.device
+        self.mode, self.device = resolve_backend(backend, device)
+        if engine == "native" and tracker is None:
+            tracker = native_engine(self.mode, self.device, capacity, timeline)
+        self.engine = "native" if tracker is not None and not isinstance(tracker, Tracker) else "dispatch"
+        self.label = label
+        self.execution_count = execution_count
+        self.result: MemoryResult | None = None
+        self.capacity: int | None = None
+        self.capacity_label = ""
+        if capacity is not None:
+            from ..core.devices import parse_capacity
+
+            self.capacity, self.capacity_label = parse_capacity(capacity)
+        self._counter: CudaCounter | Tracker | NativeTracker = (
+            cuda_counter(self.device.index)
+            if self.mode == "measured"
+            else (tracker or default_tracker(self.device))
+        )
+        # The tracker that explains the figures (categories, modules, virtual
+        # capacity): the counter itself in tracked mode; in measured mode one
+        # runs alongside only when asked for, as it slows every op.
+        self._tracker: Any = (
+            self._counter
+            if not isinstance(self._counter, CudaCounter)
+            else (default_tracker(self.device) if breakdown or timeline or capacity is not None else None)
+        )
+        self._timeline = timeline
+        self._show_breakdown = breakdown
+        self._recording: Recording | None = None
+        self._scope: OpenScope | None = None
+        self._tracker_scope: OpenScope | None = None
+        self._saved_capacity: tuple[int | None, str] = (None, "")
+        self._capacity_set = False
+        self._started = 0.0
+
+    @property
+    def running(self) -> bool:
+        return self._scope is not None
+
+    def so_far(self) -> tuple[int, int, float] | None:
+        """(allocated now, peak so far) above the start, and seconds since it; None when not running.
+
+        Changes nothing, so the live gauge's timer thread may call it while the
+        block runs: measured mode reads the allocator's counters, tracked mode
+        the tracker's (:meth:`Tracker.running_figures`).
+        """
+        scope = self._scope
+        if scope is None:
+            return None
+        allocated, peak = self._counter.running_figures()
+        peak = max(peak, scope.peak_allocated)  # a scope opened inside this one reset the counter's peak
+        return allocated - scope.allocated_before, peak - scope.allocated_before, time.perf_counter() - self._started
+
+    @property
+    def tracker(self) -> Any:
+        """The tracker behind this scope's breakdown (None in measured mode unless asked for)."""
+        return self._tracker
+
+    def start(self) -> "MemoryScope":
+        """Open the scope; all or nothing, whatever bytecode Ctrl-C lands on (issue 12)."""
+        if self._scope is not None:
+            raise RuntimeError("this MemoryScope is already running: make a new one for each block")
+        tracker, counter = self._tracker, self._counter
+        open_before = (len(counter.scopes), len(tracker.scopes) if tracker is not None else 0)
+        try:
+            if tracker is not None:
+                was_active = tracker.active
+                tracker.activate(self)
+                if not was_active and tracker.whole_device:
+                    # the baseline: every storage alive now, touched by the block or not (with
+                    # the hooks in, so that parameters found get their gradient hooks)
+                    tracker.adopt_live()
+                if tracker is not counter:
+                    self._tracker_scope = tracker.scopes.open()
+            self._scope = counter.scopes.open()
+            if tracker is not None:
+                if self._tracker_scope is None:
+                    self._tracker_scope = self._scope
+                if self._timeline:
+                    self._recording = tracker.start_recording()
+                if self.capacity is not None:
+                    self._saved_capacity = (tracker.capacity, tracker.capacity_label)
+                    self._capacity_set = True
+                    tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
+            self._started = time.perf_counter()
+            return self
+        except BaseException:
+            self._scope = self._tracker_scope = None
+            self._close_tracking(open_before)
+            if tracker is not None:
+                tracker.reconcile()  # adopt_live may have been cut short half-way through a storage
+            raise
+
+    def _close_tracking(self, open_before: tuple[int, int] | None = None) -> None:
+        """Undo what :meth:`start` did to the counters and tracker; idempotent, so a repeat finishes an interrupted one.
+
+        ``open_before``: how many scopes each counter had open before an
+        interrupted start; the scopes it opened above them are closed.
+        """
+        tracker, counter = self._tracker, self._counter
+        if open_before is not None:
+            counter.scopes.close_above(open_before[0])
+        if tracker is not None:
+            if self._recording is not None:
+                tracker.stop_recording(self._recording)
+            if open_before is not None and tracker is not counter:
+                tracker.scopes.close_above(open_before[1])
+            if self._capacity_set:
+                tracker.capacity, tracker.capacity_label = self._saved_capacity
+                self._capacity_set = False
+            tracker.deactivate(self)
+
+    def _close_scopes(self, scope: OpenScope, tracker_scope: OpenScope | None) -> None:
+        # self._scope is cleared last: a repeat after an interrupt finds the scopes again
+        self._counter.scopes.close(scope)
+        if tracker_scope is not None and self._tracker is not None:
+            self._tracker.scopes.close(tracker_scope)
+        self._close_tracking()
+        self._scope = self._tracker_scope = None
+
+    def stop(self, error: BaseException | type[BaseException] | None = None) -> MemoryResult:
+        """End the scope and build its result; ``error`` marks it failed.
+
+        Whatever bytecode Ctrl-C lands on after the first line, the tracker is
+        left inactive and every counter's scope closed, and the interrupt goes on.
+        """
+        try:  # first: only an interrupt on this very line (a function's entry) can't be caught here
+            scope, tracker_scope = self._scope, self._tracker_scope
+            if scope is None:
+                raise RuntimeError("this MemoryScope is not running: call start() first")
+            counter, tracker = self._counter, self._tracker
+            if tracker is not None and error is not None:
+                tracker.settle()
+            if isinstance(counter, CudaCounter) and error is None:
+                counter.synchronize()  # the wall time includes the GPU work the block queued
+            seconds = time.perf_counter() - self._started
+            unseen = 0
+            refused = error is not None and issubclass(error if isinstance(error, type) else type(error), torch.OutOfMemoryError)
+            if tracker is counter and not isinstance(counter, CudaCounter) and counter.whole_device and not refused:
+                # another thread's ops pass no dispatch mode of this thread: count what they left (issue 12).
+                # Not after a virtual out-of-memory error: the refused tensor exists on the CPU, held by
+                # the traceback, but was never allocated on the device.
+                unseen = counter.count_made_unseen()
+            self._close_scopes(scope, tracker_scope)
+            if tracker is not None and error is not None:
+                tracker.reconcile()  # an interrupt in the accounting may have cut an update short
+            self.result = self._result(scope, tracker_scope, seconds, error, unseen)
+            return self.result
+        except BaseException:
+            # Ctrl-C in here: finish what it cut short (each step is idempotent), then let it through
+            if self._scope is not None:
+                self._close_scopes(self._scope, self._tracker_scope)
+            if self._tracker is not None:
+                self._tracker.reconcile()
+            raise
+
+    def _result(
+        self,
+        scope: OpenScope,
+        tracker_scope: OpenScope | None,
+        seconds: float,
+        error: BaseException | type[BaseException] | None,
+        unseen: int = 0,
+    ) -> MemoryResult:
+        counter, tracker = self._counter, self._tracker
+        name = capacity = free = None
+        notes: list[str] = []
+        if unseen and self.engine == "native":
+            notes.append(
+                f"{format_bytes(unseen)} in tensors no allocation of the block showed (another allocator's) were "
+                "found at its end and counted as allocated then"
+            )
+        elif unseen:
+            notes.append(
+                f"{format_bytes(unseen)} in tensors made on another thread during the block were found at its end and "
+                "counted as allocated then; tracking follows only this thread's ops, so what other threads made and "
+                "freed inside the block is not in the peak"
+            )
+        if self.engine == "native":
+            notes.append(
+                "native engine: every block the CPU allocator gave while the block ran, on any thread, "
+                "kernels' scratch included, counted in C++; the op at the peak is not known"
+            )
+        if isinstance(counter, CudaCounter):
+            name, capacity, free = counter.device_view()
+        if self.capacity is not None:
+            label = self.capacity_label or format_bytes(self.capacity)
+            name, capacity = f"virtual {label}", self.capacity
+            free = max(self.capacity - counter.allocated(), 0)
+            notes.append(f"virtual capacity {label} = {format_bytes(self.capacity)}: an allocation beyond it raises torch.OutOfMemoryError")
+        if error is not None and not isinstance(error, type):
+            error = type(error)
+        breakdown = _breakdown(tracker_scope, tracker) if tracker is not None and tracker_scope is not None else None
+        timeline = None
+        if tracker is not None and self._recording is not None:
+            from .timeline import build_timeline
+
+            recording, self._recording = self._recording, None
+            timeline = build_timeline(recording, tracker.op_count, module=breakdown.module if breakdown else None)
+        if tracker is not None and self.mode == "measured":
+            if breakdown is not None:
+                notes.append("breakdown tracked alongside the measurement (tensors on the device, 512 B rounding)")
+            notes.append(tracker_alongside_note("block's without --breakdown, --timeline or --capacity"))
+        return MemoryResult(
+            mode=self.mode,  # type: ignore[arg-type]
+            device=str(self.device),
+            allocated_before=scope.allocated_before,
+            peak_allocated=scope.peak_allocated,
+            allocated_after=counter.allocated(),
+            seconds=seconds,
+            reserved_before=scope.reserved_before,
+            peak_reserved=scope.peak_reserved,
+            reserved_after=counter.reserved(),
+            device_name=name,
+            capacity=capacity,
+            device_free=free,
+            error=None if error is None else error.__name__,
+            label=self.label,
+            execution_count=self.execution_count,
+            notes=tuple(notes),
+            breakdown=breakdown,
+            timeline=timeline,
+            show_breakdown=self._show_breakdown,
+        )
+
+    def __enter__(self) -> "MemoryScope":
+        return self.start()
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        self.stop(exc_type)
+
+
+def native_engine(mode: str, device: torch.device, capacity: Any, timeline: bool) -> Any:
+    """The native engine's tracker, or a ValueError saying which request it can't serve."""
+    if mode != "tracked" or device.type != "cpu":
+        raise ValueError(f"engine 'native' tracks the cpu, not {device} ({mode}): drop engine or use backend='tracked', device='cpu'")
+    if capacity is not None or timeline:
+        wants = "a virtual capacity" if capacity is not None else "a timeline"
+        raise ValueError(f"{wants} needs every op, which only engine 'dispatch' (the default) sees: drop engine='native'")
+    from .native_tracking import native_tracker
+
+    return native_tracker()
+
+
+def _breakdown(scope: OpenScope, tracker: Any) -> Breakdown | None:
+    detail = scope.peak_detail
+    if detail is None:
+        return None
+    modules = sorted(
+        ((name or "(outside modules)", size) for name, size in detail.modules.items() if size),
+        key=lambda item: -item[1],
+    )
+    return Breakdown(
+        at_peak=tuple((name, detail.categories.get(name, 0)) for name in CATEGORIES),
+        after=tuple(tracker.by_category().items()),
+        modules_at_peak=tuple(modules),
+        op=op_name(detail.op),
+        module=detail.module,
+    )
+
+
+def measure(
+    device: str | torch.device | None = None,
+    *,
+    backend: Backend = "auto",
+    label: str = "",
+    breakdown: bool = False,
+    capacity: int | str | None = None,
+    timeline: bool = False,
+    engine: Engine = "dispatch",
+) -> MemoryScope:
+    """Measure a block: on CUDA with the allocator's statistics, else tracked.
+
+    ``breakdown=True`` also runs the tracker on a CUDA device, so the result
+    says what the memory was for (tracked mode always does). ``capacity``
+    (``"16GiB"``, ``"T4"``...) makes a virtual device: an allocation beyond it
+    raises ``torch.OutOfMemoryError`` as CUDA would. ``timeline=True`` records
+    live memory op by op (``scope.result.timeline.plot()``).
+
+    >>> with measure() as scope:
+    ...     x = torch.ones(256)       # 256 * 4 bytes = 1 KiB
+    >>> scope.result.retained if scope.result.mode == "tracked" else 1024
+    1024
+    """
+    return MemoryScope(backend, device, label=label, breakdown=breakdown, capacity=capacity, timeline=timeline, engine=engine)
+
+
+def track(
+    device: str | torch.device | None = None,
+    *,
+    label: str = "",
+    capacity: int | str | None = None,
+    engine: Engine = "dispatch",
+) -> MemoryScope:
+    """Track a block: every tensor storage on ``device`` is accounted, CUDA or not.
+
+    ``engine="native"`` (CPU only) counts the CPU allocator's blocks in C++
+    instead of seeing every op in Python: about 1.0x the untracked time
+    where the default costs 1.1-1.2x (``benchmarks/bench_overhead.py``). It
+    builds a small library with the system's C++ compiler on first use and has
+    no virtual capacity, no timeline and no op at the peak
+    (:mod:`nbmem.tracking.native_tracking` says what else differs).
+
+    >>> with track("cpu") as scope:
+    ...     x = torch.ones(1)         # 4 bytes, rounded to one 512 B block
+    >>> scope.result.retained
+    512
+    >>> dict(scope.result.breakdown.after)["other"] >= 512   # on the device after: x among it, not a parameter...
+    True
+    """
+    return MemoryScope("tracked", device, label=label, capacity=capacity, engine=engine)
