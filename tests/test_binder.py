@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # NBMEM_HEAVY=1 runs it (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(path.name for path in (REPO / "notebooks").glob("*.ipynb"))

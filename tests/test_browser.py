@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # NBMEM_HEAVY=1 runs it (tests/conftest.py)
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = os.environ.get("NBMEM_CHROMIUM", "/usr/bin/chromium")

@@ -315,7 +315,7 @@ def test_version_prints_the_package_version(capsys):
     code = (
         "import sys, nbmem\n"
         "assert nbmem.__version__\n"
-        "try:\n    __import__('nbmem.frontend.cli').cli.main(['--version'])\n"
+        "try:\n    __import__('nbmem.frontend.cli').frontend.cli.main(['--version'])\n"
         "except SystemExit:\n    pass\n"
         "print(sorted({'torch', 'nbclient', 'nbformat', 'IPython'} & set(sys.modules)))"
     )

@@ -54,7 +54,7 @@ BACKEND_CHOICES = ("auto", "cuda", "tracked")
 #: ValueError that says how to fix it.
 _SETUP_CELL = """\
 # Added by `nbmem profile` for this run only; not saved with --output.
-__import__("nbmem.frontend.magics").magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r})
+__import__("nbmem.frontend.magics").frontend.magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r})
 """
 
 # Kernels colour their tracebacks; a CI log or a pipe wants plain text.
