@@ -66,6 +66,13 @@ def shell():
     names = set(ip.user_ns)
     yield ip
     nbmem.unload_ipython_extension(ip)
+    # A cell that failed leaves its frames to IPython (sys.last_traceback, the execution result, %debug's
+    # traceback), and with them its tensors: the one a virtual out-of-memory error refused, which no tracker
+    # counts but test_interrupts' oracle (every tensor alive) does, broke the exact baselines of later files.
+    # The shell is one per process, so what a test's cells failed with goes with the test.
+    from nbmem.tracking.reclaim import _release_last_error
+
+    _release_last_error(ip)
     # IPython's own _, __, _N, _iN stay: deleting them makes the displayhook
     # think the user took those names over, and it stops updating them.
     for name in set(ip.user_ns) - names:

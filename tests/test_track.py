@@ -447,40 +447,114 @@ def test_device_queries_are_numbered_by_no_tracker():
 
 
 class _StandInCuda(counters.CudaCounter):
-    """Measured mode's code path without a GPU: a CUDA counter that reads zeros."""
+    """Measured mode's code path without a GPU: a CUDA counter over allocations the test makes by hand.
 
-    def __init__(self) -> None:
+    Its figures move as the caching allocator's do, so that a scope reading
+    the wrong one (or not folding a nested scope's reset into the outer
+    scope's peak) gets a wrong figure: allocated rises and falls; the peak is
+    the most allocated since the last reset, which sets it to allocated now;
+    reserved grows in whole 2 MiB segments, kept by the cache until
+    ``empty_cache`` gives back those not in use, and its peak resets likewise.
+    """
+
+    SEGMENT = 2 * MiB
+
+    def __init__(self, allocated: int = 0) -> None:
         self.index = 0
         self.scopes = counters.PeakScopes(self)
+        self.now = self.peak = 0
+        self.held = self.held_peak = 0
+        self.malloc(allocated)
+
+    def malloc(self, nbytes: int) -> None:
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+        self.held = max(self.held, -(-self.now // self.SEGMENT) * self.SEGMENT)
+        self.held_peak = max(self.held_peak, self.held)
+
+    def free(self, nbytes: int) -> None:
+        self.now -= nbytes
+
+    def empty_cache(self) -> None:
+        self.held = -(-self.now // self.SEGMENT) * self.SEGMENT
 
     def allocated(self) -> int:
-        return 0
+        return self.now
 
-    reserved = peak_allocated = peak_reserved = allocated
+    def reserved(self) -> int:
+        return self.held
+
+    def peak_allocated(self) -> int:
+        return self.peak
+
+    def peak_reserved(self) -> int:
+        return self.held_peak
+
+    def running_figures(self) -> tuple[int, int]:
+        return self.now, self.peak
 
     def reset_peak(self) -> None:
-        pass
+        self.peak, self.held_peak = self.now, self.held
 
     def device_view(self):
-        return "stand-in", 80 << 30, 80 << 30
+        return "stand-in", 80 << 30, (80 << 30) - self.held
 
     def synchronize(self) -> None:
         pass
 
 
+@pytest.fixture
+def stand_in_cuda(monkeypatch) -> _StandInCuda:
+    """Measured mode on "cuda:0" with the stand-in counter, 3 MiB already allocated (the one counter, as cuda_counter's)."""
+    counter = _StandInCuda(allocated=3 * MiB)
+    monkeypatch.setattr(scope_module, "resolve_backend", lambda backend="auto", device=None: ("measured", torch.device("cuda", 0)))
+    monkeypatch.setattr(scope_module, "cuda_counter", lambda index: counter)
+    return counter
+
+
 @pytest.mark.parametrize("options, tracker_runs", [({}, False), ({"breakdown": True}, True), ({"timeline": True}, True),
                                                    ({"capacity": "1 GiB"}, True)])
 def test_a_measurement_with_nbmems_tracker_alongside_says_the_tracker_can_raise_its_peak(
-        monkeypatch, options, tracker_runs):
+        stand_in_cuda, options, tracker_runs):
     # A Python dispatch mode on the stack makes autograd sum gradients out of place
     # (tests/test_native.py measures it): a measured peak with the tracker beside it says so
-    monkeypatch.setattr(scope_module, "resolve_backend", lambda backend="auto", device=None: ("measured", torch.device("cuda", 0)))
-    monkeypatch.setattr(scope_module, "cuda_counter", lambda index: _StandInCuda())
     with nbmem.measure(**options) as measured:
-        pass
-    said = [note for note in measured.result.notes if "dispatch mode was on the stack" in note]
-    assert measured.result.mode == "measured" and len(said) == int(tracker_runs)
+        stand_in_cuda.malloc(8 * MiB)
+        stand_in_cuda.free(8 * MiB)
+        stand_in_cuda.malloc(1 * MiB)
+    result = measured.result
+    said = [note for note in result.notes if "dispatch mode was on the stack" in note]
+    assert result.mode == "measured" and len(said) == int(tracker_runs)
     assert not said or "untested on CUDA" in said[0]
+    # the counter's figures, whichever tracker runs beside it: 3 MiB before, 11 at the peak, 4 after
+    assert (result.allocated_before, result.peak_allocated, result.allocated_after) == (3 * MiB, 11 * MiB, 4 * MiB)
+    assert (result.peak, result.retained) == (8 * MiB, 1 * MiB)
+    # reserved in 2 MiB segments: 4 MiB held before, 12 MiB (11 rounded up) from the peak on
+    assert (result.reserved_before, result.peak_reserved, result.reserved_after) == (4 * MiB, 12 * MiB, 12 * MiB)
+    if "capacity" in options:  # free: the virtual capacity less what is allocated after
+        assert (result.device_name, result.capacity, result.device_free) == ("virtual 1 GiB", 1 << 30, (1 << 30) - 4 * MiB)
+    else:  # the device's, as the counter says
+        assert (result.device_name, result.capacity, result.device_free) == ("stand-in", 80 << 30, (80 << 30) - 12 * MiB)
+
+
+def test_a_measurement_inside_another_leaves_the_outer_peak_whole(stand_in_cuda):
+    """The inner scope resets CUDA's one peak counter: the outer scope's peak so far is folded in first."""
+    with nbmem.measure() as outer:
+        stand_in_cuda.malloc(6 * MiB)  # the outer block's peak (9 MiB allocated, 10 reserved), before the inner scope
+        stand_in_cuda.free(6 * MiB)
+        stand_in_cuda.empty_cache()  # reserved back to 4 MiB: the outer's reserved peak is only in its scope now
+        with nbmem.measure() as inner:
+            stand_in_cuda.malloc(2 * MiB)
+            stand_in_cuda.free(1 * MiB)
+            # the live gauge's figures for each, above each start: (allocated now, peak so far)
+            assert outer.so_far()[:2] == (1 * MiB, 6 * MiB) and inner.so_far()[:2] == (1 * MiB, 2 * MiB)
+        stand_in_cuda.malloc(1 * MiB)
+    assert (inner.result.allocated_before, inner.result.peak, inner.result.retained) == (3 * MiB, 2 * MiB, 1 * MiB)
+    assert (outer.result.allocated_before, outer.result.peak, outer.result.retained) == (3 * MiB, 6 * MiB, 2 * MiB)
+    # reserved: 4 MiB held before each; the outer's 9 MiB took 10 (given back), the inner's 5 MiB 6
+    assert (inner.result.reserved_before, inner.result.peak_reserved) == (4 * MiB, 6 * MiB)
+    assert (outer.result.reserved_before, outer.result.peak_reserved, outer.result.reserved_after) == (
+        4 * MiB, 10 * MiB, 6 * MiB)
 
 
 def assert_gradients_between_blocks_counted(measure) -> None:
