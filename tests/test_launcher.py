@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from _processes import gone
-from nbmem.whatif import launcher
+from nbmem.whatif import launch_folders, launcher
 from nbmem.whatif.launcher import RankError, run_ranks
 
 pytestmark = pytest.mark.slow
@@ -260,3 +261,117 @@ def test_a_rank_gets_pythons_own_ctrl_c_not_the_launchs(default_sigint):
     answers = run_ranks(lambda rank, world_size: signal.getsignal(signal.SIGINT) is signal.default_int_handler, 2,
                         timeout=600)
     assert answers == [True, True]
+
+
+def _start_launch_in_a_process(tmp_path, temporary):
+    """A process running a 2-rank launch whose ranks sleep, in TMPDIR ``temporary``; returned once both ranks run."""
+    script = (
+        "import os, time\n"
+        "from nbmem.whatif.launcher import run_ranks\n"
+        "def target(rank, world_size):\n"
+        f"    open(os.path.join({str(tmp_path)!r}, f'pid{{rank}}.tmp'), 'w').write(str(os.getpid()))\n"
+        f"    os.replace(os.path.join({str(tmp_path)!r}, f'pid{{rank}}.tmp'), os.path.join({str(tmp_path)!r}, f'pid{{rank}}'))\n"
+        "    time.sleep(300)\n"
+        "run_ranks(target, 2, timeout=600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], env={**os.environ, "TMPDIR": str(temporary)})
+    for _ in range(1200):  # both ranks started (a wait, not a timing assertion)
+        if all((tmp_path / f"pid{rank}").exists() for rank in range(2)) or parent.poll() is not None:
+            break
+        time.sleep(0.1)
+    if parent.poll() is not None:
+        pytest.fail(f"the launch ended early, with exit code {parent.returncode}")
+    return parent, [int((tmp_path / f"pid{rank}").read_text()) for rank in range(2)]
+
+
+def _every_thread_gone(pid: int) -> bool:
+    """No thread of the process runs any more: its open files are closed (and its locks released).
+
+    ``gone`` reads the main thread's state, which turns zombie while other threads (gloo's, in a rank)
+    may still be exiting, holding the files they share: a lock checked then was still held.
+    """
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+        return True
+    return all(_gone_thread(pid, thread) for thread in threads)
+
+
+def _gone_thread(pid: int, thread: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/task/{thread}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def _wait_until_gone(pids):
+    for _ in range(600):  # the ranks die of their parent's death; a wait for it, not a timing assertion
+        if all(_every_thread_gone(pid) for pid in pids):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"ranks {pids} outlived their parent")
+
+
+@pytest.mark.slow  # starts processes
+def test_the_folder_of_a_launch_killed_with_sigkill_is_removed_by_the_next_launch(tmp_path, monkeypatch):
+    """SIGKILL runs no cleanup in the parent and kills its ranks (PR_SET_PDEATHSIG): the folder stayed in /tmp for good."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    parent, ranks = _start_launch_in_a_process(tmp_path, temporary)
+    try:
+        [killed] = temporary.glob("nbmem-launch-*")
+        parent.kill()
+        parent.wait(timeout=60)
+        _wait_until_gone(ranks)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+    assert killed.exists()  # nothing removed it yet: what follows is the next launch's doing
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))  # this process's launches go there too
+    assert run_ranks(lambda rank, world_size: rank, 1, timeout=600) == [0]
+    assert not killed.exists()
+    assert list(temporary.iterdir()) == []  # the next launch's own folder went as usual
+
+
+@pytest.mark.slow  # starts processes
+def test_a_live_launchs_folder_is_never_removed(tmp_path, monkeypatch):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    parent, ranks = _start_launch_in_a_process(tmp_path, temporary)  # another process's launch
+    try:
+        [other] = temporary.glob("nbmem-launch-*")
+        monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+
+        def target(rank, world_size):
+            # from inside this process's own launch too: both launch folders are in use
+            return launch_folders.remove_stale_folders(str(temporary)), sorted(temporary.glob("nbmem-launch-*"))
+
+        [(removed, folders)] = run_ranks(target, 1, timeout=600)
+        assert removed == [] and other in folders and len(folders) == 2
+        assert other.exists() and not any(gone(pid) for pid in ranks)  # the other launch still runs, in its folder
+    finally:
+        parent.terminate()  # SIGTERM: the launch removes its folder and ranks (see the test above)
+        parent.wait(timeout=60)
+    assert parent.returncode == -signal.SIGTERM and list(temporary.iterdir()) == []
+
+
+@pytest.mark.slow  # starts a process (for a pid that is not running)
+def test_a_folder_without_its_lock_is_removed_only_when_its_pid_is_dead_and_it_is_this_users(tmp_path):
+    """A launch killed between creating its folder and locking it leaves a folder with no lock file: the pid decides."""
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its pid runs nothing now (reused by another process within this test: improbable)
+    dead = tmp_path / f"nbmem-launch-{finished.pid}-a"
+    alive = tmp_path / f"nbmem-launch-{os.getpid()}-b"
+    unnamed = tmp_path / "nbmem-launch-c1d2e3f4"  # an older launch's name: no pid in it, so left alone
+    folders = [dead, alive, unnamed]
+    if os.getuid() == 0:  # only root can make a folder another user's: elsewhere that case is not checked
+        others = tmp_path / f"nbmem-launch-{finished.pid}-d"
+        others.mkdir()
+        os.chown(others, 65534, 65534)
+        folders.append(others)
+    for folder in (dead, alive, unnamed):
+        folder.mkdir()
+    assert launch_folders.remove_stale_folders(str(tmp_path)) == [str(dead)]
+    assert sorted(tmp_path.iterdir()) == sorted(set(folders) - {dead})

@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .attention import FusedAttention
-from .finetune import Trained, TrainedWatch, apply_trainable, check_trainable
-from .autocast_policy import AUTOCAST_POLICIES, CudaAutocastPolicy
+from .finetune import Trained, TrainedWatch, apply_trainable
+from .autocast_policy import CudaAutocastPolicy
 from .building import (
     FAKE_ERRORS,
     apply_precision_and_checkpointing,
@@ -38,15 +38,15 @@ from .building import (
     repeated_blocks,
     without_onednn,
 )
-from .parallel import check_parallel, parallelize, per_device_batch, process_group
+from .parallel import parallelize, process_group
+from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name
 from ..core.results import Breakdown
 from ..tracking.scope import MemoryScope, tracker_alongside_note
 from .step import run_step
-from .tasks import CacheRecord, check_generator, check_task, run_generate, run_inference, sized_batch, task_lines, task_notes
+from .tasks import CacheRecord, check_generator, run_generate, run_inference, sized_batch, task_lines, task_notes
 from .userstep import (
     BUILT_IN,
     AlwaysSteppingScaler,
-    check_step,
     fake_error_message,
     real_tensor_message,
     run_user_step,
@@ -57,23 +57,7 @@ from .fakemode import FastKeyFakeTensorMode
 from ..tracking.tracker import Tracker
 from ..core.units import format_bytes
 
-__all__ = ["estimate", "Estimate", "PRECISIONS", "OPTIMIZERS", "MODES", "repeated_blocks"]
-
-#: How a step runs: on fake tensors; for real on the CPU, tracked; for real on CUDA, measured.
-MODES = ("estimated", "tracked", "measured")
-
-#: fp32; bf16/fp16 autocast (fp16 with a GradScaler); pure bf16/fp16 weights.
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-weights", "fp16-weights")
-
-#: Optimizer names and how nbmem builds them (learning rates don't change memory).
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "sgd": functools.partial(torch.optim.SGD, lr=0.01),
-    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad,
-    "rmsprop": torch.optim.RMSprop,
-}
+__all__ = ["estimate", "estimate_plan", "Estimate", "Plan", "PRECISIONS", "OPTIMIZERS", "MODES", "repeated_blocks"]
 
 #: Memory outside PyTorch's tensors, listed beside an estimate and never added
 #: to it: (what, bytes, why). DESIGN.md; c10/cuda/CUDACachingAllocator.cpp.
@@ -144,6 +128,8 @@ class Estimate:
     #: generate: the KV cache's bytes at the end, and per token of context (the whole batch's), unrounded.
     kv_cache: int | None = None
     kv_cache_per_token: int | None = None
+    #: The knobs as asked for (nbmem.estimation.plan.Plan); the fields above say what they resolved to.
+    plan: Plan | None = field(default=None, repr=False, compare=False)
 
     @property
     def peak(self) -> int:
@@ -323,33 +309,35 @@ def estimate(
     >>> result.peak - mine.peak   # the built-in step holds the logits through backward: 64 * 10 * 4 bytes
     2560
     """
-    batch_size = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, accumulation)
-    check_task(task, prompt_length=prompt_length, new_tokens=new_tokens, checkpointing=checkpointing,
-               accumulation=accumulation, parallel=parallel, step=step)
-    if batch is None and task != "generate":
-        raise ValueError(f"task={task!r} needs batch, a function that takes a batch size and returns the model's input")
-    batch = sized_batch(batch, prompt_length)
-    _check(batch_size, precision, optimizer, accumulation)
-    check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
-    check_trainable(trainable)
-    if task != "train" and trainable is not None:
-        raise ValueError(f"trainable= chooses what a training step updates, and task={task!r} updates nothing: leave trainable out")
-    if task != "train":
-        optimizer = None  # nothing to update: no optimizer is built
-    if autocast_policy not in AUTOCAST_POLICIES:
-        raise ValueError(f"unknown autocast_policy {autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)")
+    plan = Plan(
+        batch_size=batch_size, global_batch_size=global_batch_size, loss=loss, optimizer=optimizer,
+        precision=precision, checkpointing=checkpointing, accumulation=accumulation, foreach=foreach, device=device,
+        mode=mode, enforce_capacity=enforce_capacity, parallel=parallel, world_size=world_size, rank=rank, step=step,
+        autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
+        new_tokens=new_tokens,
+    )
+    return estimate_plan(model, batch, plan)
+
+
+def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan) -> Estimate:
+    """:func:`estimate` for a :class:`~nbmem.estimation.plan.Plan` already made (a sweep's, a search's)."""
+    if batch is None and plan.task != "generate":
+        raise ValueError(f"task={plan.task!r} needs batch, a function that takes a batch size and returns the model's input")
+    batch = sized_batch(batch, plan.prompt_length)
+    batch_size, precision, mode, task, parallel = plan.per_device_batch, plan.precision, plan.mode, plan.task, plan.parallel
+    optimizer, step, trainable = plan.optimizer_used, plan.step, plan.trainable
     autocast = precision in ("bf16", "fp16") and mode != "measured"
-    policy = CudaAutocastPolicy() if autocast and autocast_policy == "cuda" else None
+    policy = CudaAutocastPolicy() if autocast and plan.autocast_policy == "cuda" else None
     attention = FusedAttention() if mode != "measured" else None
     run_on = _run_device(mode)
     capacity = label = None
-    if device is not None:
+    if plan.device is not None:
         from ..core.devices import parse_capacity
 
-        capacity, label = parse_capacity(device)
+        capacity, label = parse_capacity(plan.device)
     fake_mode = new_fake_mode() if mode == "estimated" else None
     notes: list[str] = []
-    limit = capacity if enforce_capacity else None
+    limit = capacity if plan.enforce_capacity else None
     simulation = None
     if mode == "measured":
         scope = functools.partial(MemoryScope, backend="cuda", device=run_on, breakdown=True)
@@ -368,11 +356,8 @@ def estimate(
         scope = functools.partial(MemoryScope, tracker=tracker)
         before = (0, 0)
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    if fake_mode is None:
-        rank = _real_rank(parallel)
-    elif isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank must be one of the {world_size} ranks, 0 to {world_size - 1}, got {rank!r}")
-    group = process_group(parallel, world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
+    rank = plan.rank if fake_mode is not None else _real_rank(parallel)  # the plan checked an estimate's rank
+    group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
@@ -380,11 +365,11 @@ def estimate(
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             network = apply_trainable(network, trainable, notes)
             if task == "generate":
-                check_generator(network, prompt_length, new_tokens)  # type: ignore[arg-type]  # checked by check_task
+                check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
             block = repeated_blocks(network)
-            chosen = apply_precision_and_checkpointing(network, precision, checkpointing, notes)
+            chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes)
             make_optimizer = _optimizer_factory(optimizer)
-            optimizer_kwargs = _target_optimizer_kwargs(optimizer, foreach, mode, notes)
+            optimizer_kwargs = _target_optimizer_kwargs(optimizer, plan.foreach, mode, notes)
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
@@ -396,12 +381,12 @@ def estimate(
                 one_step = functools.partial(run_inference, network, batch, batch_size, precision, run_on,
                                              autocast_region=region)
             elif task == "generate":
-                one_step = functools.partial(run_generate, network, batch_size, prompt_length, new_tokens,  # type: ignore[arg-type]  # checked by check_task
+                one_step = functools.partial(run_generate, network, batch_size, plan.prompt_length, plan.new_tokens,  # type: ignore[arg-type]  # checked by check_task
                                              precision, run_on, whole.tracker.classify, cache, autocast_region=region)
             elif step is None:
                 scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
-                one_step = functools.partial(run_step, network, batch, batch_size, loss, opt, scaler, precision,
-                                             accumulation, run_on, autocast_region=region)
+                one_step = functools.partial(run_step, network, batch, batch_size, plan.loss, opt, scaler, precision,
+                                             plan.accumulation, run_on, autocast_region=region)
             else:
                 scaler = AlwaysSteppingScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
@@ -461,15 +446,15 @@ def estimate(
         notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
     if step is not None:
         notes += user_step_notes(step, precision, run_on)
-    notes += task_notes(task, prompt_length, new_tokens)
+    notes += task_notes(task, plan.prompt_length, plan.new_tokens)
     if task == "generate":  # no mask is passed, so the note on the mask fake tensors build does not apply
         notes = [note for note in notes if not note.startswith("Hugging Face builds a (batch, 1")]
     first, steady = peaks if task == "train" else (peaks[0], peaks[0])
     return Estimate(
         batch_size=batch_size,
-        accumulation=accumulation,
+        accumulation=plan.accumulation,
         precision=precision,
-        optimizer=_optimizer_name(optimizer) if task == "train" else "none",
+        optimizer=optimizer_name(optimizer) if plan.trains else "none",
         checkpointing=chosen,
         parameters=parameters,
         first_step=first,
@@ -482,14 +467,15 @@ def estimate(
         mode=mode,
         device=str(run_on),
         parallel=parallel,
-        world_size=world_size,
+        world_size=plan.world_size,
         rank=rank,
         notes=tuple(notes),
         step=step_label(step),
         trained=trained,
         task=task,
-        prompt_length=prompt_length,
-        new_tokens=new_tokens,
+        prompt_length=plan.prompt_length,
+        new_tokens=plan.new_tokens,
+        plan=plan,
         kv_cache=cache.bytes if task == "generate" else None,
         kv_cache_per_token=cache.per_token if task == "generate" else None,
     )
@@ -500,12 +486,6 @@ def _optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | N
     if optimizer is None:
         return lambda parameters, **kwargs: None
     return OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
-
-
-def _optimizer_name(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> str:
-    if optimizer is None:
-        return "your step's own optimizer"
-    return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")
 
 
 def _target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str]) -> dict[str, Any]:
@@ -548,22 +528,6 @@ def _real_rank(parallel: str) -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def resolve_batch_size(
-    batch_size: int | None, global_batch_size: int | None, parallel: str, world_size: int, accumulation: int
-) -> int:
-    """The per-GPU batch size, from ``batch_size`` or a ``global_batch_size``; ValueError naming what to pass."""
-    check_parallel(parallel, world_size)
-    if (batch_size is None) == (global_batch_size is None):
-        raise ValueError(
-            "pass batch_size (per GPU) or global_batch_size (across GPUs and micro-batches), exactly one of them"
-        )
-    if global_batch_size is not None:
-        if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-            raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
-        return per_device_batch(global_batch_size, world_size, accumulation)
-    return batch_size  # type: ignore[return-value]
-
-
 def _run_device(mode: str) -> torch.device:
     """Where a step of this mode runs (fake tensors say cpu; they hold no memory anywhere)."""
     if mode not in MODES:
@@ -579,17 +543,3 @@ def _run_device(mode: str) -> torch.device:
             "(a real run on this CPU, every tensor accounted) or 'estimated'"
         )
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def _check(batch_size: Any, precision: str, optimizer: Any, accumulation: Any) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive whole number, got {batch_size!r}")
-    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
-        raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}: use one of {', '.join(PRECISIONS)}")
-    if isinstance(optimizer, str) and optimizer not in OPTIMIZERS:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}, or pass a function "
-            "that takes the parameters and returns a torch.optim.Optimizer"
-        )

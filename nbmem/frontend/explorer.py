@@ -23,6 +23,7 @@ from ..core.results import stacked_bar_html
 from ..core.units import format_bytes
 from ..estimation.userstep import check_step
 from ..whatif.sweep import real_mode, run_configuration
+from ..estimation.plan import Plan
 
 __all__ = ["explore", "Explorer"]
 
@@ -161,7 +162,7 @@ class Explorer:
 
         where = f"run for real, {where}"
         capacity, _ = parse_capacity(config["device"])
-        self.measured = run_configuration(self.model, self.batch, mode, config, on_rank=heard)
+        self.measured = run_configuration(self.model, self.batch, Plan(mode=mode, **config), on_rank=heard)
         estimated = self.update()
         difference = (self.measured.peak - estimated.peak) / estimated.peak if estimated.peak else 0.0
         self.check.value = (

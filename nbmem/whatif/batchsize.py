@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from ..estimation.estimate import Estimate, _run_device, estimate
+from ..estimation.estimate import Estimate, _run_device, estimate_plan
+from ..estimation.plan import Plan
 from ..estimation.parallel import check_parallel
 from .progress import Progress, check_progress
 from ..core.units import format_bytes
-from ..estimation.userstep import BUILT_IN, check_step, step_label
+from ..estimation.userstep import BUILT_IN, step_label
 from .sweep import MAX_LAUNCH_RANKS, _isolate, real_mode, run_configuration
 
 __all__ = ["max_batch_size", "BatchSizeResult"]
@@ -231,9 +232,10 @@ def max_batch_size(
             f"nbmem.sweep(..., batch_size=[...], parallel={parallel!r}, world_size={world_size})"
         )
     capacity, label = parse_capacity(device)
-    check_step(step, accumulation=accumulation, loss=loss, optimizer=optimizer, parallel=parallel, precision=precision)
-    options = dict(precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss, foreach=foreach,
-                   accumulation=accumulation, parallel=parallel, world_size=world_size, step=step, trainable=trainable)
+    # one plan, checked once; each estimate and trial varies its batch size (a search starts at 1)
+    plan = Plan(batch_size=1, precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss,
+                foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
+                trainable=trainable, device=capacity)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 
@@ -241,7 +243,7 @@ def max_batch_size(
         nonlocal estimates
         estimates += 1
         shown.begin(f"batch_size={size}")
-        result = estimate(model, batch, batch_size=size, device=capacity, **options)
+        result = estimate_plan(model, batch, plan.varied(batch_size=size))
         shown.done(f"{'fits' if result.fits else 'no fit'}, peak {format_bytes(result.peak)} allocated, estimated")
         return result
 
@@ -251,8 +253,8 @@ def max_batch_size(
         shown.begin(f"batch_size={size}", unit="real trial")
         try:
             with shown.attempt():
-                result = run_configuration(model, batch, verify, dict(batch_size=size, device=capacity,
-                                           enforce_capacity=True, **options), on_rank=shown.ranks)
+                trial = plan.varied(batch_size=size, mode=verify, enforce_capacity=True)
+                result = run_configuration(model, batch, trial, on_rank=shown.ranks)
         except torch.OutOfMemoryError:
             trials.append((size, None))
             shown.done(f"OOM, {verify}")

@@ -15,6 +15,8 @@ through a file. The guarantees:
   on timeout, on KeyboardInterrupt and on SIGTERM (which then ends the
   process as before, the launch folder removed); each rank also asks the
   kernel to kill it if its parent dies (Linux ``PR_SET_PDEATHSIG``);
+- the folder of a launch killed with SIGKILL (no cleanup runs) is removed by
+  the next launch (:mod:`nbmem.whatif.launch_folders`);
 - a rank's prints go to a log file, never to the notebook's (forked) output
   machinery; the last lines of a failing rank's log come with its error;
 - a rank that reported its error but does not exit still ends the launch
@@ -39,14 +41,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..estimation.estimate import Estimate, _check, estimate, resolve_batch_size
-from ..estimation.finetune import check_trainable
+from ..estimation.estimate import Estimate, estimate_plan
+from ..estimation.plan import Plan
 from ..estimation.parallel import collectives_on_copies
+from .launch_folders import launch_folder
 from .progress import Progress, check_progress
-from ..estimation.userstep import check_step
 from ..core.units import format_bytes
 
-__all__ = ["launch", "Launch", "run_ranks", "RankError"]
+__all__ = ["launch", "launch_plan", "Launch", "run_ranks", "RankError"]
 
 
 class RankError(RuntimeError):
@@ -83,7 +85,7 @@ def run_ranks(
     """
     context = multiprocessing.get_context("fork")
     with _cleanup_before_sigterm(), _Interrupts() as interrupts, \
-            tempfile.TemporaryDirectory(prefix="nbmem-launch-") as folder:
+            launch_folder() as folder:
         processes = [
             context.Process(target=_rank_main, args=(target, rank, world_size, backend, folder), daemon=True)
             for rank in range(world_size)
@@ -560,15 +562,26 @@ def launch(
     check_progress(progress)
     if mode not in ("auto", "tracked", "measured"):
         raise ValueError(f"unknown mode {mode!r} for a launch: use 'auto', 'tracked' (gloo, CPU) or 'measured' (NCCL, CUDA)")
-    # bad input fails here, before any process starts
-    per_rank = resolve_batch_size(batch_size, global_batch_size, parallel, world_size, knobs.get("accumulation", 1))
-    _check(per_rank, knobs.get("precision", "fp32"), knobs.get("optimizer", "adamw"), knobs.get("accumulation", 1))
-    check_step(knobs.get("step"), accumulation=knobs.get("accumulation", 1), loss=knobs.get("loss"),
-               optimizer=knobs.get("optimizer", "adamw"), parallel=parallel, precision=knobs.get("precision", "fp32"))
-    check_trainable(knobs.get("trainable"))
     cuda = torch.cuda.is_available() and mode != "tracked"
     if mode == "measured" and not cuda:
         raise ValueError("mode 'measured' launches on CUDA devices and none is available here: use mode='tracked'")
+    # every knob checked here, before any process starts (a TypeError names a knob that doesn't exist)
+    plan = Plan(batch_size=batch_size, global_batch_size=global_batch_size, parallel=parallel, world_size=world_size,
+                mode="measured" if cuda else "tracked", **knobs)
+    return launch_plan(model, batch, plan, timeout=timeout, progress=progress, on_rank=on_rank)
+
+
+def launch_plan(
+    model: Any,
+    batch: Any,
+    plan: Plan,
+    *,
+    timeout: float = 600.0,
+    progress: bool = True,
+    on_rank: Callable[[int, int], None] | None = None,
+) -> Launch:
+    """:func:`launch` for a plan already made (a sweep's): ``plan.mode`` "measured" runs NCCL ranks, "tracked" gloo."""
+    cuda, parallel, world_size = plan.mode == "measured", plan.parallel, plan.world_size
     if cuda:
         if torch.cuda.is_initialized():
             raise ValueError(
@@ -588,8 +601,7 @@ def launch(
         if cuda:
             torch.cuda.set_device(rank)
         with contextlib.nullcontext() if cuda else collectives_on_copies():
-            return estimate(model, batch, batch_size=per_rank, parallel=parallel, world_size=world,
-                            mode="measured" if cuda else "tracked", **knobs)
+            return estimate_plan(model, batch, plan)
 
     with Progress(f"gpumem launch: {parallel} on {world_size} real ranks", None, enabled=progress) as shown:
         shown.begin("running the step", unit="")

@@ -16,13 +16,13 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .comparison import AXES, Comparison, SweepRow
-from ..estimation.estimate import Estimate, _run_device, estimate
+from ..estimation.estimate import Estimate, _run_device, estimate_plan
 from ..estimation.finetune import check_trainable, trainable_label
-from .launcher import RankError, launch
+from .launcher import RankError, launch_plan
 from ..estimation.parallel import check_parallel
 from .progress import Progress, check_progress
 from ..core.units import format_bytes
-from ..estimation.userstep import check_step
+from ..estimation.plan import Plan
 
 __all__ = ["sweep", "Comparison", "SweepRow", "AXES", "used_knobs", "real_mode", "run_configuration", "MAX_LAUNCH_RANKS"]
 
@@ -136,17 +136,14 @@ def sweep(
             )
     for name in grid["parallel"]:
         check_parallel(name, 1 if name == "single" else 2)
-    for steps, chosen, strategy, kind in itertools.product(
-        grid["accumulation"], grid["optimizer"], grid["parallel"], grid["precision"]
-    ):
-        check_step(step, accumulation=steps, loss=loss, optimizer=chosen, parallel=strategy, precision=kind)
     capacity = label = None
     if device is not None:
         from ..core.devices import parse_capacity
 
         capacity, label = parse_capacity(device)
     planned: list[tuple[tuple[str, Any], ...]] = []  # each configuration's knobs, as its row shows them
-    chosen_optimizers: list[Any] = []  # and the optimizer it names, which a task that trains nothing doesn't use
+    plans: list[Plan] = []  # and what it runs, every one checked before anything runs
+    base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
@@ -156,23 +153,21 @@ def sweep(
         if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen:
             continue  # one device has no world size to vary; a task ran this configuration already
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
+        # the optimizer it names (a task that trains nothing shows 'none' and builds none)
+        plans.append(Plan(**base, **{**options, "optimizer": chosen["optimizer"]}))
         planned.append(config)
-        chosen_optimizers.append(chosen["optimizer"])
     shown_axes = [axis for axis in grid if len(grid[axis]) > 1] or ["batch_size"]
     title = f"gpumem sweep, {mode}" + (f" on {label}" if label else "")
     rows: list[SweepRow] = []
     interrupted = False
     with Progress(title, len(planned), enabled=progress) as shown:
         try:
-            for config, optimizer_named in zip(planned, chosen_optimizers):
+            for config, plan in zip(planned, plans):
                 options = dict(config)
                 shown.begin(", ".join(f"{axis}={_shown(axis, options[axis])}" for axis in shown_axes))
                 try:
                     with shown.attempt():
-                        rows.append(SweepRow(config, run_configuration(
-                            model, batch, mode, dict(loss=loss, foreach=foreach, device=device, step=step,
-                                                     **_enforced(mode, capacity), **{**options, "optimizer": optimizer_named}),
-                            on_rank=shown.ranks)))
+                        rows.append(SweepRow(config, run_configuration(model, batch, plan, on_rank=shown.ranks)))
                 except torch.OutOfMemoryError:
                     rows.append(SweepRow(config, None, "OOM"))
                 finally:
@@ -239,18 +234,17 @@ def real_mode() -> str:
     return "measured" if torch.cuda.is_available() else "tracked"
 
 
-def run_configuration(model: Any, batch: Any, mode: str, options: dict[str, Any],
-                      on_rank: Callable[[int, int], None] | None = None) -> Estimate:
+def run_configuration(model: Any, batch: Any, plan: Plan, on_rank: Callable[[int, int], None] | None = None) -> Estimate:
     """One configuration: an estimate, a real run here, or (data-parallel, real) a launch's largest rank.
 
     A rank that ran out of memory raises ``torch.OutOfMemoryError``, as a run in this process would;
     one that Ctrl-C stopped (a terminal's SIGINT reaches every rank too) raises KeyboardInterrupt.
     ``on_rank(finished, world_size)`` hears of every rank of a launch that ends well.
     """
-    if mode == "estimated" or options["parallel"] == "single":
-        return estimate(model, batch, mode=mode, **options)
+    if plan.mode == "estimated" or plan.parallel == "single":
+        return estimate_plan(model, batch, plan)
     try:
-        return launch(model, batch, mode=mode, progress=False, on_rank=on_rank, **options).worst
+        return launch_plan(model, batch, plan, progress=False, on_rank=on_rank).worst
     except RankError as error:
         if "OutOfMemoryError" in error.kind:  # one rank ran out: the configuration does not fit
             raise torch.OutOfMemoryError(str(error)) from error

@@ -1,0 +1,197 @@
+"""The plan: a step's configuration, every knob in one frozen object, checked once (issue 22).
+
+``nbmem.estimate``, ``sweep``, ``max_batch_size``, ``launch`` and ``explore``
+take the knobs as keyword arguments, as users write them. Each builds one
+:class:`Plan` from them and hands it down; a sweep varies a plan with
+:func:`dataclasses.replace` (which checks the new one again), and the layers
+below read the fields they use. The knobs' validation lives here, once:
+a plan that exists is one a step can run with.
+
+A new knob is a field here (its default, its check, how :meth:`Plan.describe`
+says it) and code in the one layer that uses it.
+
+>>> plan = Plan(batch_size=8, precision="bf16", checkpointing=True)
+>>> plan.describe()
+'batch 8, bf16, checkpointing per block, adamw'
+>>> import dataclasses
+>>> dataclasses.replace(plan, accumulation=4, foreach=True).describe()
+'batch 8 x 4 micro-batches, bf16, checkpointing per block, adamw foreach'
+>>> Plan(batch_size=0)
+Traceback (most recent call last):
+...
+ValueError: batch_size must be a positive whole number, got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .autocast_policy import AUTOCAST_POLICIES
+from .finetune import check_trainable, trainable_label
+from .parallel import check_parallel, per_device_batch
+from .tasks import check_task
+from .userstep import check_step, step_name
+
+__all__ = ["Plan", "KNOBS", "MODES", "PRECISIONS", "OPTIMIZERS", "optimizer_name"]
+
+#: How a step runs: on fake tensors; for real on the CPU, tracked; for real on CUDA, measured.
+MODES = ("estimated", "tracked", "measured")
+
+#: fp32; bf16/fp16 autocast (fp16 with a GradScaler); pure bf16/fp16 weights.
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-weights", "fp16-weights")
+
+#: Optimizer names and how nbmem builds them (learning rates don't change memory).
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.01),
+    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every knob of one step; :func:`nbmem.estimate` documents what each does.
+
+    ``batch_size`` is per device; or give ``global_batch_size`` (across
+    devices and micro-batches), which :attr:`per_device_batch` resolves.
+    Creating a plan (or replacing a field of one) checks every knob and
+    raises ValueError saying what to pass.
+    """
+
+    batch_size: int | None = None
+    global_batch_size: int | None = None
+    loss: Callable[[Any, Any], torch.Tensor] | None = None
+    optimizer: str | Callable[..., torch.optim.Optimizer] | None = "adamw"
+    precision: str = "fp32"
+    checkpointing: bool | Callable[[torch.nn.Module], bool] = False
+    accumulation: int = 1
+    foreach: bool | None = None
+    #: A capacity to compare with (a preset such as "T4", or a size such as "24GiB").
+    device: int | str | None = None
+    mode: str = "estimated"
+    enforce_capacity: bool = False
+    parallel: str = "single"
+    world_size: int = 1
+    rank: int = 0
+    step: Callable[..., Any] | None = None
+    autocast_policy: str = "cuda"
+    trainable: Any = None
+    task: str = "train"
+    prompt_length: int | None = None
+    new_tokens: int | None = None
+    #: The batch size each device runs (from batch_size, or global_batch_size / (world_size x accumulation)).
+    per_device_batch: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # the order of the checks is the order a user reads the arguments in: sizes, then the task, then the rest
+        object.__setattr__(self, "per_device_batch", self._resolved_batch_size())
+        check_task(self.task, prompt_length=self.prompt_length, new_tokens=self.new_tokens,
+                   checkpointing=self.checkpointing, accumulation=self.accumulation, parallel=self.parallel,
+                   step=self.step)
+        if isinstance(self.per_device_batch, bool) or not isinstance(self.per_device_batch, int) or self.per_device_batch < 1:
+            raise ValueError(f"batch_size must be a positive whole number, got {self.per_device_batch!r}")
+        _check_accumulation(self.accumulation)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}, or pass a function "
+                "that takes the parameters and returns a torch.optim.Optimizer"
+            )
+        check_step(self.step, accumulation=self.accumulation, loss=self.loss, optimizer=self.optimizer,
+                   parallel=self.parallel, precision=self.precision)
+        check_trainable(self.trainable)
+        if self.task != "train" and self.trainable is not None:
+            raise ValueError(
+                f"trainable= chooses what a training step updates, and task={self.task!r} updates nothing: leave trainable out"
+            )
+        if self.autocast_policy not in AUTOCAST_POLICIES:
+            raise ValueError(
+                f"unknown autocast_policy {self.autocast_policy!r}: use 'cuda' (CUDA's op lists) or 'cpu' (CPU autocast's)"
+            )
+        if self.mode not in MODES:
+            raise ValueError(
+                f"unknown mode {self.mode!r}: use 'estimated' (fake tensors, nothing runs), 'tracked' (a real run on "
+                "this CPU, every tensor accounted) or 'measured' (a real run on a CUDA device)"
+            )
+        # a real run's rank is its process's; an estimate picks the rank whose view it gives
+        if self.mode == "estimated" and (
+            isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.world_size
+        ):
+            raise ValueError(
+                f"rank must be one of the {self.world_size} ranks, 0 to {self.world_size - 1}, got {self.rank!r}"
+            )
+
+    def _resolved_batch_size(self) -> Any:
+        check_parallel(self.parallel, self.world_size)
+        if (self.batch_size is None) == (self.global_batch_size is None):
+            raise ValueError(
+                "pass batch_size (per GPU) or global_batch_size (across GPUs and micro-batches), exactly one of them"
+            )
+        if self.global_batch_size is not None:
+            _check_accumulation(self.accumulation)
+            return per_device_batch(self.global_batch_size, self.world_size, self.accumulation)
+        return self.batch_size
+
+    @property
+    def trains(self) -> bool:
+        """Whether the step updates the model (task "train"): only then is an optimizer built."""
+        return self.task == "train"
+
+    @property
+    def optimizer_used(self) -> str | Callable[..., torch.optim.Optimizer] | None:
+        """The optimizer the step builds: None when nothing trains."""
+        return self.optimizer if self.trains else None
+
+    def describe(self) -> str:
+        """The plan in a line, as a person would say it: ``batch 8, bf16, checkpointing per block, adamw foreach``."""
+        accumulate = f" x {self.accumulation} micro-batches" if self.accumulation > 1 else ""
+        words = [f"batch {self.per_device_batch}{accumulate}", self.precision]
+        if self.task != "train":
+            words.insert(0, self.task)
+            if self.prompt_length is not None:
+                words.append(f"{self.prompt_length} prompt tokens")
+            if self.new_tokens is not None:
+                words.append(f"{self.new_tokens} new tokens")
+        else:
+            if self.checkpointing is True:
+                words.append("checkpointing per block")
+            elif self.checkpointing is not False:
+                words.append(f"checkpointing where {step_name(self.checkpointing)} says")
+            foreach = {True: " foreach", False: " for-loop", None: ""}[self.foreach]
+            words.append(f"{optimizer_name(self.optimizer)}{foreach}")
+            if self.trainable is not None:
+                words.append(f"training {trainable_label(self.trainable)}")
+            if self.step is not None:
+                words.append(f"your step {step_name(self.step)}")
+        if self.parallel != "single":
+            words.append(f"{self.parallel} on {self.world_size} GPUs")
+        return ", ".join(words)
+
+    def varied(self, **knobs: Any) -> Plan:
+        """This plan with some knobs changed, checked again (:func:`dataclasses.replace`)."""
+        return dataclasses.replace(self, **knobs)
+
+
+#: The knobs a plan takes, by name (its init fields).
+KNOBS = tuple(item.name for item in dataclasses.fields(Plan) if item.init)
+
+
+def optimizer_name(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> str:
+    """How a result names the optimizer: its name, a function's name, "custom", or the user's step's own."""
+    if optimizer is None:
+        return "your step's own optimizer"
+    return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")
+
+
+def _check_accumulation(accumulation: Any) -> None:
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
