@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -170,11 +172,18 @@ def test_loading_twice_registers_once_and_unload_removes_everything(shell):
     callbacks = shell.events.callbacks
     pre = [cb for cb in callbacks["pre_run_cell"] if getattr(cb, "__self__", None).__class__.__name__ == "GpuMemMagics"]
     assert len(pre) == 1
+
+    def transformers():
+        return [t for t in shell.input_transformers_post if t.__class__.__name__ == "method"
+                and t.__self__.__class__.__name__ == "GpuMemMagics"]
+
+    assert len(transformers()) == 1
     nbmem.unload_ipython_extension(shell)
     for event in ("pre_run_cell", "post_run_cell"):
         assert not [cb for cb in callbacks[event] if getattr(cb, "__self__", None).__class__.__name__ == "GpuMemMagics"]
     assert "gpumem" not in shell.magics_manager.magics["line"]
     assert "gpumem" not in shell.magics_manager.magics["cell"]
+    assert not transformers()
     result, captured = run(shell, "%%gpumem\n1")
     assert not result.success  # the magic is really gone
     nbmem.load_ipython_extension(shell)  # the fixture unloads again
@@ -323,3 +332,108 @@ def test_a_trailing_semicolon_hides_the_cells_value_as_ipython_does(shell):
     assert [text.split(":")[0] for text in texts(captured)] == ["gpumem 40 + 2;"]
     result, captured = run(shell, "%gpumem history -o;")
     assert result.success and result.result is None
+
+
+def _shown(captured) -> str:
+    """What a cell printed, its cell number made neutral (two runs of the same code get different ones)."""
+    return re.sub(r"In\[\d+\]", "In[N]", captured.stdout + captured.stderr)
+
+
+NBMEM_FRAMES = ("nbmem/frontend/magics.py", "_measure_cell", "transform_ast", "run_cell_magic")
+
+
+def _clean_and_measuring(shell, measured: int) -> None:
+    """Nothing was measured or left installed by the failed cell, and the next %%gpumem cell is measured."""
+    assert len(nbmem.history(shell)) == measured and _get_current_dispatch_mode() is None
+    tracker = default_tracker("cpu")
+    assert not tracker.active and len(tracker.scopes) == 0
+    result, _ = run(shell, "%%gpumem -q\nafter = 1")
+    assert result.success and len(nbmem.history(shell)) == measured + 1
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "x = (1,\ny = 2",  # the parser's error
+        "def f(:\n    pass",
+        "never_assigned = 1\nreturn 5",  # the compiler's: parses, but can't run at top level
+        "yield 3",
+    ],
+)
+def test_a_syntax_error_shows_as_ipython_shows_it_and_runs_nothing(shell, code):
+    measured = len(nbmem.history(shell))
+    result, captured = run(shell, "%%gpumem\n" + code)
+    assert "never_assigned" not in shell.user_ns  # no line of a measured cell runs unmeasured
+    plain, plain_captured = run(shell, code)
+    shell.user_ns.pop("never_assigned", None)  # plain IPython ran the line before the `return`
+    shown = _shown(captured)
+    assert not any(frame in shown for frame in NBMEM_FRAMES), shown
+    assert shown == _shown(plain_captured)  # only the cell's name, line and caret: no frames at all
+    assert "Cell In[N], line" in shown and plain.error_before_exec.text.strip() in shown  # the user's line
+    # a SyntaxError before the cell ran, as IPython has it
+    assert type(result.error_before_exec) is type(plain.error_before_exec) is SyntaxError
+    assert result.error_before_exec.msg == plain.error_before_exec.msg
+    _clean_and_measuring(shell, measured)
+
+
+def test_a_cell_that_awaits_at_top_level_is_refused_as_ipython_refuses_it(shell):
+    measured = len(nbmem.history(shell))
+    code = "import asyncio\nawait asyncio.sleep(0)"
+    result, captured = run(shell, "%%gpumem\n" + code)
+    shown = _shown(captured)
+    assert not any(frame in shown for frame in NBMEM_FRAMES), shown
+    assert isinstance(result.error_before_exec, SyntaxError)
+    assert "asyncio" not in shell.user_ns  # the cell did not run in part
+    autoawait, shell.autoawait = shell.autoawait, False  # IPython's own error for a top-level await it can't run
+    try:
+        plain, plain_captured = run(shell, code)
+        location, message = _shown(plain_captured).rstrip().rsplit("\n", 1)
+        assert message == "SyntaxError: 'await' outside function"
+        # the same error, saying how to measure such a cell
+        assert shown.startswith(f"{location}\n{message}: ") and "run `%gpumem on` before it" in shown
+        result, captured = run(shell, "%%gpumem\n" + code)
+        assert _shown(captured) == _shown(plain_captured)  # IPython can't await here either: nothing to add
+    finally:
+        shell.autoawait = autoawait
+    _clean_and_measuring(shell, measured)
+
+
+@pytest.mark.parametrize(
+    ("action", "wrong", "takes", "right"),
+    [
+        ("on", "--timeline", "-q, --no-live, --capacity, --device, --backend, --engine", "-q --no-live --capacity T4"),
+        ("off", "--text", "-q", "-q"),
+        ("history", "--capacity T4", "-o, -q, --text", "-q --text"),
+        ("reset", "--breakdown", "-q", "-q"),
+        ("free", "--engine native", "-o, -q, --device", "-q --device cpu"),
+    ],
+)
+def test_an_option_that_means_nothing_for_the_action_is_refused(shell, action, wrong, takes, right):
+    from nbmem.frontend.magics import _session
+
+    result, captured = run(shell, f"%gpumem {action} {wrong}")
+    output = captured.stderr + captured.stdout
+    assert isinstance(result.error_in_exec, UsageError), output
+    option = wrong.split()[0]
+    assert f"%gpumem {action} takes {takes}; {option} means nothing here" in output
+    assert _session(shell).every_cell is None  # refused before doing anything
+    result, captured = run(shell, f"%gpumem {action} {right}")
+    assert result.success, captured.stderr + captured.stdout
+    run(shell, "%gpumem off -q")
+
+
+def test_every_option_that_means_nothing_is_named(shell):
+    result, captured = run(shell, "%gpumem reset -o --free-on-oom --backend tracked")
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "%gpumem reset takes -q; -o, --free-on-oom, --backend mean nothing here" in captured.stderr + captured.stdout
+
+
+def test_the_usage_in_the_help_lists_the_options_each_action_takes(shell):
+    from nbmem.frontend.options import ACTION_OPTIONS, option_names
+
+    doc = shell.find_line_magic("gpumem").__doc__
+    parser = shell.find_line_magic("gpumem").parser
+    for action, options in ACTION_OPTIONS.items():
+        (usage,) = re.findall(rf"^\s*%gpumem {action} ((?:\[[^\]]+\]\s*)+)", doc, re.MULTILINE)
+        written = [word.split()[0] for word in re.findall(r"\[([^\]]+)\]", usage)]
+        assert written == option_names(parser, options), action

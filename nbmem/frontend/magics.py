@@ -7,16 +7,13 @@ and to the session's history.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
-import re
-import shlex
 from dataclasses import dataclass, field
+from types import CodeType
 from typing import Any
 
 from IPython.core.displayhook import DisplayHook
-from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class, output_can_be_silenced
 from IPython.core.magic_arguments import argument, magic_arguments
 
@@ -24,13 +21,12 @@ from ..core import _env
 from . import display
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..core.results import History, MemoryResult, first_line
-from ..tracking.scope import BACKENDS, ENGINES, Backend, Engine, MemoryScope, resolve_backend, native_engine
+from ..tracking.scope import Backend, Engine, MemoryScope, resolve_backend
 from .live_gauge import CELL_DELAY, LINE_DELAY, LiveGauge, capacity_of, virtual_label
+from .options import ACTIONS, read_options
 from ..tracking.tracker import default_tracker
 
-__all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell"]
-
-ACTIONS = ("on", "off", "history", "reset", "free")
+__all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell", "ACTIONS"]
 
 
 @dataclass
@@ -60,51 +56,14 @@ class _Session:
     #: The running cell's number as its In[n] shows it; IPython has already
     #: advanced shell.execution_count when the cell runs.
     cell_number: int | None = None
+    #: A %%gpumem cell and its code, compiled by check_cell for the magic that runs next (see there).
+    compiled: tuple[str, tuple[CodeType, CodeType | None]] | None = None
 
     def record(self, result: MemoryResult) -> None:
         self.history.append(result)
         if self.log_path:
             with open(self.log_path, "a", encoding="utf-8") as log:
                 log.write(json.dumps(History([result]).to_records()[0]) + "\n")
-
-
-def _unsilenced(line: str) -> str:
-    """The line form's options without a trailing ``;`` (which silences the output, not an option)."""
-    stripped = line.rstrip()
-    return stripped[:-1] if stripped.endswith(";") else line
-
-
-def _parse_options(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
-    """The magic's options, read as a shell reads words; a UsageError saying how to fix a bad line.
-
-    IPython's own splitting keeps quotes inside the words (``'16 GiB'`` with
-    its quotes, which no option reads) and lets ``shlex`` raise a bare
-    ValueError on an unclosed quote; argparse takes a value starting with
-    ``-`` (``--capacity -5GB``) for an option and says "expected one
-    argument". Here quotes group words, and a value that looks like a
-    negative number is kept with its option, to be refused for what it is.
-    """
-    try:
-        words = shlex.split(line)
-    except ValueError as error:  # "No closing quotation", "No escaped character"
-        raise UsageError(
-            f"can't read the options {line.strip()!r} ({error}): close the quote, e.g. --capacity '16 GiB'"
-        ) from None
-    # argparse has no public list of the options that take a value
-    takes_value = {
-        option for action in parser._actions if action.option_strings and action.nargs is None
-        for option in action.option_strings
-    }
-    joined: list[str] = []
-    for word in words:
-        if joined and joined[-1] in takes_value and _NEGATIVE.match(word):
-            joined[-1] = f"{joined[-1]}={word}"
-        else:
-            joined.append(word)
-    return parser.parse_args(joined)
-
-
-_NEGATIVE = re.compile(r"-\.?[0-9]")
 
 
 def _stopped(gauge: LiveGauge | None) -> str | None:
@@ -119,6 +78,47 @@ def _stopped(gauge: LiveGauge | None) -> str | None:
 def _is_nbmem_cell(source: str) -> bool:
     """``%%gpumem`` cells record themselves; ``%gpumem ...`` lines are nbmem's own commands."""
     return first_line(source).startswith(("%%gpumem", "%gpumem"))
+
+
+#: How IPython's static transforms write a ``%%gpumem`` cell (IPython.core.inputtransformer2.cell_magic).
+_CELL_CALL = "get_ipython().run_cell_magic"
+
+
+def _compiled(shell: Any, cell: str, number: int) -> tuple[CodeType, CodeType | None]:
+    """A cell's statements and last expression (None if it ends otherwise), compiled as IPython compiles a cell.
+
+    Raises IPython's SyntaxError for the code; for an ``await`` IPython would run, saying how to measure it.
+    """
+    __tracebackhide__ = True
+    source = shell.transform_cell(cell)
+    # Cache the source under a cell name so tracebacks show the user's lines.
+    filename = shell.compile.cache(source, number, raw_code=cell)
+    try:
+        tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
+        return shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec"), last
+    except SyntaxError as error:
+        if not (shell.autoawait and _awaits(source, filename, shell.compile.flags)):
+            raise  # IPython refuses the same code, saying the same
+        raise SyntaxError(
+            f"{error.msg}: %%gpumem runs its cell synchronously, so it can't await at top level; to measure "
+            "a cell that awaits, run `%gpumem on` before it (and `%gpumem off` after)",
+            (error.filename, error.lineno, error.offset, error.text, error.end_lineno, error.end_offset),
+        ) from None
+
+
+def _awaits(source: str, filename: str, flags: int) -> bool:
+    """Whether code that does not compile as a module compiles as IPython's autoawait runs a cell, as a coroutine.
+
+    The magic can't run it so: IPython calls it synchronously, from a cell with no ``await`` of its own.
+    """
+    try:
+        compile(source, filename, "exec", flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    except SyntaxError:
+        return False
+    return True
 
 
 @magics_class
@@ -253,34 +253,9 @@ class GpuMemMagics(Magics):
           %gpumem free
         """
         __tracebackhide__ = True
-        args = _parse_options(self.gpumem.parser, line if cell is not None else _unsilenced(line))
-        if args.backend not in BACKENDS:
-            raise UsageError(f"--backend {args.backend!r} is not known: use one of {', '.join(BACKENDS)}")
-        if args.engine not in ENGINES:
-            raise UsageError(f"--engine {args.engine!r} is not known: use one of {', '.join(ENGINES)}")
-        try:
-            resolved = resolve_backend(args.backend, args.device)
-            if args.capacity is not None:
-                from ..core.devices import parse_capacity
-
-                parse_capacity(args.capacity)
-            if args.engine == "native" and (cell is not None or args.action == "on"):
-                native_engine(*resolved, args.capacity, args.timeline)  # builds the library once
-        except (ValueError, RuntimeError) as error:  # RuntimeError: NativeUnavailable, saying why
-            raise UsageError(str(error)) from None
+        args = read_options(self.gpumem.parser, line, cell)
         if cell is not None:
-            if args.action is not None:
-                raise UsageError(
-                    f"%%gpumem measures the cell below it and takes only options, not {args.action!r}; "
-                    "to turn on measuring every cell write `%gpumem on` as a line of its own"
-                )
             return self._measure_cell(cell, args)
-        if args.action is None:
-            raise UsageError(
-                "%gpumem needs an action: on, off, history or reset; to measure a cell, put %%gpumem on its first line"
-            )
-        if args.action not in ACTIONS:
-            raise UsageError(f"%gpumem {args.action!r} is not known: use one of {', '.join(ACTIONS)}")
         return getattr(self, f"_action_{args.action}")(args)
 
     # -- one cell ---------------------------------------------------------
@@ -289,14 +264,8 @@ class GpuMemMagics(Magics):
         __tracebackhide__ = True
         shell = self.shell
         count = self.session.cell_number
-        source = shell.transform_cell(cell)
-        # Cache the source under a cell name so tracebacks show the user's lines.
-        filename = shell.compile.cache(source, count or 0, raw_code=cell)
-        tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
-        body = shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec")
+        checked, self.session.compiled = self.session.compiled, None
+        body, last = checked[1] if checked and checked[0] == cell else _compiled(shell, cell, count or 0)
         namespace = shell.user_ns
 
         scope = MemoryScope(
@@ -337,6 +306,23 @@ class GpuMemMagics(Magics):
                 display.show_value(value)
             return result
         return value
+
+    def check_cell(self, lines: list[str]) -> list[str]:
+        """An input transformer: a ``%%gpumem`` cell's SyntaxError raised before it runs, as a plain cell's is.
+
+        From the magic, it would be an error *in* the cell, shown with every frame down to the compiler, nbmem's
+        too; from here IPython shows its line and caret, and nothing runs. The magic then runs the code compiled here.
+        """
+        if len(lines) != 1 or not lines[0].startswith(f"{_CELL_CALL}('gpumem', "):
+            return lines
+        try:
+            _, _, cell = ast.literal_eval(lines[0].strip()[len(_CELL_CALL):])
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # not as cell_magic writes it
+            return lines
+        # transformed before its cell runs, or (%%gpumem in %%time's cell) while it runs, as the magic numbers it
+        number = self.shell.execution_count if self.session.cell_number is None else self.session.cell_number
+        self.session.compiled = (cell, _compiled(self.shell, cell, number))
+        return lines
 
     def _report(
         self,
@@ -450,7 +436,7 @@ class GpuMemMagics(Magics):
         session = self.session
         scope = session.pending  # cleared once stopped: a Ctrl-C on stop()'s entry leaves it to the next cell
         gauge, session.pending_gauge = session.pending_gauge, None
-        session.cell_number = None
+        session.cell_number = session.compiled = None
         if scope is None:
             _stopped(gauge)
             return
@@ -489,6 +475,7 @@ def load(shell: Any, *, probe: bool = True) -> GpuMemMagics:
         shell.register_magics(magics)
         shell.events.register("pre_run_cell", magics.pre_run_cell)
         shell.events.register("post_run_cell", magics.post_run_cell)
+        shell.input_transformers_post.append(magics.check_cell)
     return magics
 
 
@@ -502,6 +489,8 @@ def unload(shell: Any) -> None:
             shell.events.unregister(event, callback)
         except ValueError:
             pass
+    if magics.check_cell in shell.input_transformers_post:
+        shell.input_transformers_post.remove(magics.check_cell)
     _stopped(magics.session.pending_gauge)
     magics.session.pending_gauge = None
     if magics.session.frontend is not None:
