@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import _has_traceable_wrapper_subclass_protocol, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .units import torch_format_size
 
@@ -109,7 +109,9 @@ def _device_test(device: torch.device) -> Callable[[torch.Tensor], bool]:
 @functools.cache
 def _wraps(kind: type) -> bool:
     """``is_traceable_wrapper_subclass`` (a DTensor; not a FakeTensor) of a tensor of this subclass, once per type."""
-    return _has_traceable_wrapper_subclass_protocol(kind)
+    # torch's own _has_traceable_wrapper_subclass_protocol is this test, but only
+    # from 2.12 on (2.11 has none: seen on a GPU machine, 2026-11-25)
+    return hasattr(kind, "__tensor_flatten__") and hasattr(kind, "__tensor_unflatten__")
 
 
 def _parts(tensor: torch.Tensor) -> tuple[torch.Tensor, ...]:

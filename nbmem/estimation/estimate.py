@@ -404,7 +404,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 assert result is not None and result.breakdown is not None
                 peaks.append(result.peak_allocated - before[0])
                 if result.peak_reserved is not None:
-                    reserved.append(result.peak_reserved - before[1])
+                    # less what other tensors held, not less what was reserved: a step that reuses
+                    # blocks cached before it would otherwise read 0 (seen on an H100, 2026-11-25)
+                    reserved.append(result.peak_reserved - before[0])
                 breakdowns.append(result.breakdown)
             parameters = sum(parameter.numel() for parameter in network.parameters())
             trained = watch.close(opt) if watch is not None else None
@@ -439,6 +441,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes.append(
             "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "
             "cuBLAS/cuDNN workspaces the step allocated through the allocator"
+        )
+        notes.append(
+            f"reserved (measured) is the allocator's peak less what other tensors held before the step; "
+            f"{format_bytes(before[1] - before[0])} were cached and free when it began, and count as the step's"
+            " (an upper bound when the step did not need them all)"
         )
         notes.append(tracker_alongside_note("step's run without the breakdown's tracker"))
     else:

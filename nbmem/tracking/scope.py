@@ -10,6 +10,8 @@ plain Python and in pytest::
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,6 +38,11 @@ Engine = Literal["dispatch", "native"]
 ENGINES = ("dispatch", "native")
 
 
+def _current_cuda() -> int:
+    """The current CUDA device's index, without initialising CUDA (``current_device()`` does: seen on an H100)."""
+    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+
+
 def resolve_backend(backend: str = "auto", device: str | torch.device | None = None) -> tuple[str, torch.device]:
     """Decide how to measure: ``("measured", cuda:N)`` or ``("tracked", device)``.
 
@@ -58,7 +65,7 @@ def resolve_backend(backend: str = "auto", device: str | torch.device | None = N
                 f"no CUDA device is available, so {device} can't be measured: "
                 "drop --device (nbmem then tracks on the cpu) or use --backend tracked --device cpu"
             )
-        index = torch.cuda.current_device() if device.index is None else device.index
+        index = _current_cuda() if device.index is None else device.index
         if index >= torch.cuda.device_count():
             raise ValueError(
                 f"{device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s), "
@@ -70,13 +77,13 @@ def resolve_backend(backend: str = "auto", device: str | torch.device | None = N
             raise ValueError("backend 'cuda' needs a CUDA device and none is available: use 'tracked' or 'auto'")
         if device is not None and device.type != "cuda":
             raise ValueError(f"backend 'cuda' measures a CUDA device, not {device}: drop --device or name 'cuda:N'")
-        return "measured", device or torch.device("cuda", torch.cuda.current_device())
+        return "measured", device or torch.device("cuda", _current_cuda())
     if backend == "tracked":
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+            device = torch.device("cuda", _current_cuda()) if cuda else torch.device("cpu")
         return "tracked", device
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        device = torch.device("cuda", _current_cuda()) if cuda else torch.device("cpu")
     return ("measured" if device.type == "cuda" else "tracked"), device
 
 
@@ -326,6 +333,13 @@ class MemoryScope:
         if tracker is not None and self.mode == "measured":
             if breakdown is not None:
                 notes.append("breakdown tracked alongside the measurement (tensors on the device, 512 B rounding)")
+                breakdown, unattributed = _with_unattributed(breakdown, scope.peak_allocated)
+                if unattributed:
+                    notes.append(
+                        f"'other' at the peak includes {format_bytes(unattributed)} the caching allocator gave out "
+                        "beside every tensor nbmem saw: library workspaces (cuBLAS keeps one per stream and thread, "
+                        "32 MiB on Hopper, and backward runs on its own thread) or tensors made in C++"
+                    )
             notes.append(tracker_alongside_note("block's without --breakdown, --timeline or --capacity"))
         return MemoryResult(
             mode=self.mode,  # type: ignore[arg-type]
@@ -383,6 +397,15 @@ def _breakdown(scope: OpenScope, tracker: Any) -> Breakdown | None:
         op=op_name(detail.op),
         module=detail.module,
     )
+
+
+def _with_unattributed(breakdown: Breakdown, peak_allocated: int) -> tuple[Breakdown, int]:
+    """A measured breakdown whose peak sums to the device's: what no tensor explains goes to "other"."""
+    gap = peak_allocated - sum(size for _, size in breakdown.at_peak)
+    if gap <= 0:
+        return breakdown, 0
+    at_peak = tuple((name, size + gap if name == "other" else size) for name, size in breakdown.at_peak)
+    return dataclasses.replace(breakdown, at_peak=at_peak), gap
 
 
 def measure(
