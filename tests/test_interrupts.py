@@ -96,7 +96,7 @@ def live_cpu_bytes() -> int:
     for obj in gc.get_objects():
         if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" and obj.layout is torch.strided:
             storage = obj.untyped_storage()
-            if storage.resizable():  # from_blob memory (NumPy's) is no allocator's
+            if storage.resizable() or storage.is_shared():  # from_blob memory (NumPy's) is no allocator's; shared is counted
                 sizes[storage._cdata] = -(-storage.nbytes() // 512) * 512
     return sum(sizes.values())
 

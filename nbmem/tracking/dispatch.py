@@ -80,7 +80,7 @@ class TrackingMode(TorchDispatchMode):
 def before_op(tracker: Any, func: Any, args: Any, kwargs: Any) -> None:
     """The tracker's part before ``func`` runs: deaths so far counted, the op numbered, its inputs adopted."""
     __tracebackhide__ = True
-    if tracker._foreign:
+    if tracker._foreign or tracker._unfinished:  # deaths to count, or an update Ctrl-C cut short to mend
         tracker.drain()
     tracker._op_index += 1
     tracker._op = func
@@ -96,7 +96,7 @@ def before_op(tracker: Any, func: Any, args: Any, kwargs: Any) -> None:
 def after_op(tracker: Any, out: Any) -> None:
     """The tracker's part after: what died while the op ran, then its outputs counted."""
     __tracebackhide__ = True
-    if tracker._foreign:  # freed while the op ran: before its outputs, which may reuse the storage's place
+    if tracker._foreign or tracker._unfinished:  # freed while the op ran: before its outputs, which may reuse its place
         tracker.drain()
     if isinstance(out, _Tensor):  # most ops: one tensor out, counted without the walk through _note
         tracker._count(out, False)

@@ -38,6 +38,18 @@ are not Python objects: the tracker finds those when an op uses them. A
 gradient is made in C++ too, but it hangs off a Python object: each walk
 asks every leaf that requires grad it has met for its ``.grad``.
 
+A DataLoader's worker processes collate their batches into shared memory and
+send a file descriptor (or a file name); this process rebuilds a storage
+around that memory (``torch.multiprocessing.reductions.rebuild_storage_fd``).
+No allocator of this process gave it and it can't be resized, like a NumPy
+array's; but a GPU would hold a copy, so trackers count it (issue 12: a cell
+that kept its batches retained +0 B). The native engine sees no allocation
+of it and the default engine may not see the op that wrapped it (another
+thread's), so every walk also asks torch's own cache of storages rebuilt from
+shared memory (``reductions.shared_cache``, weak references) for those still
+alive: found there even when a collection moved their tensors out of the
+young generations.
+
 >>> import torch
 >>> kept = torch.ones(3)
 >>> any(tensor is kept for tensor in live_tensors())
@@ -54,7 +66,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["live_tensors", "collections_stamp", "walk"]
+__all__ = ["live_tensors", "shared_memory_tensors", "collections_stamp", "walk"]
 
 
 #: Whether the youngest generations are sure to hold every object made since a stamp (see above).
@@ -87,6 +99,26 @@ def live_tensors(young: bool = False) -> list[torch.Tensor]:
         del objects
 
 
+def shared_memory_tensors() -> list[torch.Tensor]:
+    """A byte tensor over each live storage rebuilt here from another process's shared memory (see above).
+
+    Read from torch's cache, never imported here (torch imports it with
+    ``torch.multiprocessing``); the views are made with Python dispatch off, so
+    no tracker's mode counts them as an op. The caller must drop the list.
+    """
+    reductions = sys.modules.get("torch.multiprocessing.reductions")
+    cache = getattr(reductions, "shared_cache", None)
+    if not cache:
+        return []
+    views = []
+    with torch._C._DisableTorchDispatch():
+        for ref in list(cache.values()):  # a C-level copy: a worker thread may add to the cache meanwhile
+            storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)  # None once it died
+            if storage is not None and storage.device.type == "cpu":
+                views.append(torch.empty(0, dtype=torch.uint8).set_(storage))
+    return views
+
+
 def walk(tracker: Any, adopt: bool, young: bool = False) -> None:
     """Show ``tracker`` every live tensor on its device: adopted into the baseline, or counted as made now.
 
@@ -99,7 +131,7 @@ def walk(tracker: Any, adopt: bool, young: bool = False) -> None:
     # stamped before the walk; a walk cut short (Ctrl-C) leaves no stamp, so the next one is whole
     stamp = collections_stamp()
     covered = stamp is not None and tracker._walked == stamp
-    tensors = live_tensors(young=young or covered)
+    tensors = live_tensors(young=young or covered) + shared_memory_tensors()
     tracker._walked = None
     refused = tracker._refused
     for key in [key for key, ref in refused.items() if ref() is None]:

@@ -23,7 +23,9 @@ What it counts differs from the default engine, and results say so:
   every free of those, wherever and whenever it happens (the allocator stays
   registered between blocks, passing allocations through, for mkldnn's frees);
   not what PyTorch allocates past the registered allocator
-  (``torch.UntypedStorage(n)``) or a DataLoader worker's shared memory;
+  (``torch.UntypedStorage(n)``). A DataLoader worker's batches, in shared
+  memory no allocation here gave, are found at the block's end (see
+  :mod:`nbmem.tracking.live`) and counted as made in it;
 - the baseline is the storages alive when a block starts, found by walking
   Python's objects as the default engine does; one made before tracking and
   resized in place (``resize_``, FSDP2's parameter resizes) is counted at its
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import itertools
 import weakref
 from typing import Any
 
@@ -94,10 +97,12 @@ class NativeTracker(Activation):
         self._refused: dict[int, Any] = {}  # nothing is refused: no virtual capacity here
         self._walked: tuple[int, int] | None = None
         self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}  # as Tracker's (see nbmem.tracking.live)
-        # the storages adopted from a walk, by storage: (address, serial, weak reference). The
+        # the storages a walk met, by storage: (address, token, weak reference, adopted). The
         # references' callbacks (C functions: no Python runs in them, so Ctrl-C can't be swallowed
-        # there) free the block, that block only (its serial) if a resize moved the storage
-        self._watched: dict[int, tuple[int, int, weakref.ref[torch.UntypedStorage]]] = {}
+        # there) release the block their token watches, that block only if a resize moved the storage;
+        # adopted: False only while nbmem_adopt has not returned (or Ctrl-C cut it off, see _count)
+        self._watched: dict[int, tuple[int, int, weakref.ref[torch.UntypedStorage], bool]] = {}
+        self._tokens = itertools.count(1)  # next() is one C call: no token is handed out twice
         self._module_ids: dict[str | None, int] = {None: _NO_MODULE, BACKWARD: _BACKWARD}
         self._module_names: dict[int, str | None] = {_NO_MODULE: None, _BACKWARD: BACKWARD}
         self._adopted_told = 0  # adopted bytes already passed to the open scopes
@@ -293,8 +298,8 @@ class NativeTracker(Activation):
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):
             return
-        if not storage.resizable() or storage.device.type != "cpu":
-            return  # memory the allocator never gave (NumPy's, from_blob's), or a fake tensor's
+        if storage.device.type != "cpu" or not storage.resizable() and not storage.is_shared():
+            return  # memory the allocator never gave (NumPy's, from_blob's; a worker's shared memory counts), or a fake tensor's
         key = storage._cdata
         address, nbytes = self._lib.nbmem_storage_address(key), storage.nbytes()
         if not address or not nbytes:
@@ -302,12 +307,19 @@ class NativeTracker(Activation):
         known = self._watched.get(key)
         if known is not None and known[2]() is storage:
             if known[0] == address:
+                if not known[3]:  # Ctrl-C came between keeping its reference and adopting it: adopt now
+                    self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1, known[1])
+                    self._watched[key] = (address, known[1], known[2], True)
                 return
-            self._lib.nbmem_release(known[0], known[1], None)  # resized in place since: its old block is gone
-        serial = self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1)
-        if serial:
-            release = functools.partial(self._lib.nbmem_release, address, serial)
-            self._watched[key] = (address, serial, weakref.ref(storage, release))
+            self._lib.nbmem_release(known[1], None)  # resized in place since: its old block is gone
+        # The weak reference is kept before the block is adopted (allocations.cpp, Watch): Ctrl-C between
+        # the two leaves a reference that releases nothing, where the other way round it left an adopted
+        # block that nothing would release, counted for good after its storage died.
+        token = next(self._tokens)
+        watch = weakref.ref(storage, functools.partial(self._lib.nbmem_release, token))
+        self._watched[key] = (address, token, watch, False)
+        self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1, token)
+        self._watched[key] = (address, token, watch, True)
 
     # -- categories -----------------------------------------------------------
 

@@ -300,8 +300,8 @@ class MemoryScope:
         notes: list[str] = []
         if unseen and self.engine == "native":
             notes.append(
-                f"{format_bytes(unseen)} in tensors no allocation of the block showed (another allocator's) were "
-                "found at its end and counted as allocated then"
+                f"{format_bytes(unseen)} in tensors no allocation of the block showed (another allocator's: a "
+                "DataLoader worker's shared memory...) were found at its end and counted as allocated then"
             )
         elif unseen:
             notes.append(

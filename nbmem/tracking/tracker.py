@@ -17,7 +17,11 @@ nothing (see :mod:`nbmem.tracking.installed`); a storage's death is queued by a 
 callback that runs no Python code (``deque.append``), and counted before the
 next op, so an interrupt can never be swallowed inside it; and
 :meth:`Tracker.reconcile` rebuilds the counters from the records when an
-interrupt cut an update short.
+interrupt cut an update short: each update counts itself in ``_unfinished``
+from its first change to its last, and the next op, drain or scope that finds
+one unfinished reconciles. Not only when the interrupt ends a scope: a loop
+that stops on Ctrl-C (``except KeyboardInterrupt: break``) ends it without an
+error, and a record parted from its weak reference stayed counted for good.
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ class Tracker(Activation):
         # backend's worker thread letting go of a collective's tensors never
         # changes the counters, which only this thread's drain does.
         self._foreign: collections.deque[weakref.KeyedRef[int, torch.UntypedStorage]] = collections.deque()
+        # Updates of the records and counters begun and not finished (module docstring): above zero
+        # between ops only if Ctrl-C cut one short. A count, not a flag: updates finishing later don't hide it.
+        self._unfinished = 0
         self._categories = dict.fromkeys(CATEGORIES, 0)
         self._modules: dict[str | None, int] = {}
         self._allocated = 0
@@ -303,14 +310,16 @@ class Tracker(Activation):
 
     def reconcile(self) -> None:
         """Make the counters agree with the records again after Ctrl-C cut an update short (see rebuild_counters)."""
-        self.drain()
+        self._drain_dead()
         orphans, allocated, categories, modules = rebuild_counters(self._storages, self._refs)
         if orphans:
             self._walked = None  # a storage dropped may be alive: the next walk must be whole to find it
-        if (allocated, categories, modules) != (self._allocated, self._categories, self.by_module()):
+        live_modules = {module: size for module, size in self._modules.items() if size}
+        if (allocated, categories, modules) != (self._allocated, self._categories, live_modules):
             self._allocated, self._categories, self._modules = allocated, categories, modules
             self._peak = max(self._peak, allocated)
             self._peak_detail = None
+        self._unfinished = 0  # last: a reconcile cut short is done again at the next look
 
     def current_module(self) -> str | None:
         """The top-level module running now (forward or backward), None outside modules."""
@@ -364,6 +373,7 @@ class Tracker(Activation):
         detail = self._peak_detail
         # the peak's breakdown, when this storage was alive at the peak
         at_peak = detail if detail is not None and record.born <= detail.op_index else None
+        self._unfinished += 1  # until both moves are made (module docstring)
         if _RANK[category] < _RANK[record.category]:
             self._categories[record.category] -= record.size
             self._categories[category] += record.size
@@ -378,6 +388,7 @@ class Tracker(Activation):
                 at_peak.modules[record.module] = at_peak.modules.get(record.module, 0) - record.size
                 at_peak.modules[module] = at_peak.modules.get(module, 0) + record.size
             record.module = module
+        self._unfinished -= 1
 
     # -- the accounting (hot path: keep it lean) ----------------------------
 
@@ -438,9 +449,10 @@ class Tracker(Activation):
             return
         if adopt and not self.adopt_unseen:
             return
-        if not storage.resizable():
+        if not storage.resizable() and not storage.is_shared():
             # memory the allocator never gave: a NumPy array's, DLPack's (from_blob storages can't resize);
-            # torch.tensor(ndarray) wraps the array before copying it (issue 12)
+            # torch.tensor(ndarray) wraps the array before copying it (issue 12). Shared memory can't resize
+            # either, but is counted: a DataLoader worker's batch, which a GPU would hold (see nbmem.tracking.live)
             return
         size = -(-storage.nbytes() // self.block) * self.block  # round_allocation, inline: once per new storage
         if not adopt and self.capacity is not None:
@@ -449,8 +461,11 @@ class Tracker(Activation):
         module = attribution.current_module() if attribution is not None else None
         record = StorageRecord(size, -1 if adopt else self._op_index, None if adopt else self._op, module,
                                tuple(tensor.shape), tensor.dtype)
-        self._storages[key] = record
-        self._refs[key] = weakref.KeyedRef(storage, self._foreign.append, key)
+        ref = weakref.KeyedRef(storage, self._foreign.append, key)
+        self._unfinished += 1  # until the counters include it (module docstring)
+        # one line, no call between the two stores: no line event (a trace function's) and no signal
+        # (handled on calls and backward jumps, CPython's eval breaker) parts a record from its weak reference
+        self._storages[key], self._refs[key] = record, ref
         if self.simulator is not None:
             self.simulator.malloc(key, size)
         self._categories["other"] += size
@@ -468,6 +483,7 @@ class Tracker(Activation):
                 self._peak_detail.modules[module] = self._peak_detail.modules.get(module, 0) + size
         else:
             self._grow(size, module)
+        self._unfinished -= 1
 
     def _resized(self, key: int, record: StorageRecord, nbytes: int) -> None:
         """A storage resized in place (out= arguments, resize_, set_, ``storage.resize_``): count the change."""
@@ -479,6 +495,7 @@ class Tracker(Activation):
             self._check_capacity(size - record.size)
         elif self._allocated == self._peak:
             self._settle_peak()
+        self._unfinished += 1  # until the record and the counters have the new size (module docstring)
         self._categories[record.category] += size - record.size
         self._modules[record.module] += size - record.size
         growth, record.size = size - record.size, size
@@ -487,6 +504,7 @@ class Tracker(Activation):
             if size:
                 self.simulator.malloc(key, size)
         self._grow(growth, record.module)
+        self._unfinished -= 1
 
     def storage_resized(self, storage: Any) -> None:
         """``storage.resize_()`` ran (FSDP2 frees and refills gathered parameters this way)."""
@@ -505,19 +523,26 @@ class Tracker(Activation):
         if self._refs.get(key) is ref:
             if self._allocated == self._peak:
                 self._settle_peak()
+            self._unfinished += 1  # until the counters are without it (module docstring)
             del self._refs[key]  # first: a repeat after an interrupt does nothing (reconcile finishes it)
             record = self._storages.pop(key, None)
-            if record is None:
-                return
-            record.died = self._op_index
-            if self.simulator is not None:
-                self.simulator.free(key)
-            self._allocated -= record.size
-            self._categories[record.category] -= record.size
-            self._modules[record.module] -= record.size
+            if record is not None:
+                record.died = self._op_index
+                if self.simulator is not None:
+                    self.simulator.free(key)
+                self._allocated -= record.size
+                self._categories[record.category] -= record.size
+                self._modules[record.module] -= record.size
+            self._unfinished -= 1
 
     def drain(self) -> None:
-        """Count the storages that died since the last op as freed."""
+        """Count the storages that died since the last op as freed; mend an update Ctrl-C cut short."""
+        if self._unfinished:
+            self.reconcile()  # drains too
+        else:
+            self._drain_dead()
+
+    def _drain_dead(self) -> None:
         dead = self._foreign
         while dead:
             ref = dead[0]

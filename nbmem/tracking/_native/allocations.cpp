@@ -66,9 +66,19 @@ struct Block {
   int64_t watchers;  // adopted: storages whose weak references hold it (lazy clones share one)
 };
 
+// What one weak reference watches: the block (address, serial) its storage was adopted into.
+struct Watch {
+  int64_t ptr;
+  int64_t serial;
+};
+
 struct Accounts {
   std::mutex mutex;
   std::unordered_map<int64_t, Block> live;
+  // Weak references by token (nbmem_adopt, nbmem_release). Python makes and keeps a storage's weak
+  // reference, with its token, before the block is adopted: Ctrl-C between the two then leaves a
+  // reference that releases nothing, never an adopted block that no reference will release.
+  std::unordered_map<int64_t, Watch> watches;
   int64_t block = 512;
   int64_t events = 0;
   int64_t serials = 0;
@@ -267,6 +277,7 @@ int64_t nbmem_storage_address(int64_t cdata) {
 void nbmem_reset(int64_t block) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
   accounts.live.clear();
+  accounts.watches.clear();
   accounts.block = block > 0 ? block : 1;
   accounts.events = accounts.allocated = accounts.peak = accounts.adopted = 0;
   std::fill(accounts.categories, accounts.categories + kCategories, 0);
@@ -277,35 +288,48 @@ void nbmem_reset(int64_t block) {
   accounts.module = kNoModule;
 }
 
-// A storage found alive: counted as there before every open scope (made_now 0) or as made
-// now (1: found at a block's end, made where no allocation was seen). Returns the block's
-// serial for its weak reference, 0 if a block at that address is known already.
-int64_t nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now) {
+// A storage found alive, its weak reference (token) kept already: counted as there before every
+// open scope (made_now 0) or as made now (1: found at a block's end, made where no allocation was
+// seen), and watched by the token. Idempotent per token, so a walk Ctrl-C cut short just asks
+// again. Returns 1 if the token watches the block now, 0 if its free is counted anyway (allocated
+// while counting): then the reference has nothing to release.
+int nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now, int64_t token) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
+  if (accounts.watches.count(token)) return 1;  // adopted for this token before the interrupt
   auto known = accounts.live.find(ptr);
+  int64_t serial;
   if (known != accounts.live.end()) {
     if (known->second.born != -1) return 0;  // allocated while counting: its free is counted
     ++known->second.watchers;  // adopted already, for another storage (a lazy clone): one more to die
-    return known->second.serial;
+    serial = known->second.serial;
+  } else if (made_now) {
+    serial = accounts.allocation_seen(ptr, nbytes, kNoModule);
+  } else {
+    int64_t size = accounts.rounded(nbytes);
+    serial = accounts.add(ptr, size, kNoModule, -1);
+    accounts.allocated += size;
+    accounts.peak += size;  // there all along: the running peak includes it too
+    accounts.adopted += size;
+    if (accounts.settled) {
+      accounts.peak_categories[kOther] += size;
+      accounts.module_bytes(accounts.peak_modules, kNoModule) += size;
+    }
   }
-  if (made_now) return accounts.allocation_seen(ptr, nbytes, kNoModule);
-  int64_t size = accounts.rounded(nbytes);
-  int64_t serial = accounts.add(ptr, size, kNoModule, -1);
-  accounts.allocated += size;
-  accounts.peak += size;  // there all along: the running peak includes it too
-  accounts.adopted += size;
-  if (accounts.settled) {
-    accounts.peak_categories[kOther] += size;
-    accounts.module_bytes(accounts.peak_modules, kNoModule) += size;
-  }
-  return serial;
+  accounts.watches[token] = Watch{ptr, serial};
+  return 1;
 }
 
-// A weak reference's callback, (address, serial, the dead reference): an adopted storage died.
-void nbmem_release(int64_t ptr, int64_t serial, void* /* the weak reference */) {
+// A weak reference's callback, (token, the dead reference): its storage died, or (called with
+// None) it moved to another block. Releases the block it watches, once: a token never adopted,
+// or released already, releases nothing.
+void nbmem_release(int64_t token, void* /* the weak reference */) {
   std::lock_guard<std::mutex> guard(accounts.mutex);
-  auto it = accounts.live.find(ptr);
-  if (it == accounts.live.end() || it->second.serial != serial) return;
+  auto watch = accounts.watches.find(token);
+  if (watch == accounts.watches.end()) return;
+  Watch watched = watch->second;
+  accounts.watches.erase(watch);
+  auto it = accounts.live.find(watched.ptr);
+  if (it == accounts.live.end() || it->second.serial != watched.serial) return;
   if (--it->second.watchers > 0) return;
   ++accounts.events;
   accounts.remove(it);
