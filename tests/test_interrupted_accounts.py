@@ -31,6 +31,7 @@ from nbmem.tracking.tracker import default_tracker
 
 from test_interrupts import NBMEM, _AtLine, _Interrupter, _lines_run, leftovers
 
+pytestmark = pytest.mark.interrupts  # skipped under coverage; .ci/run runs them without it (tests/conftest.py)
 TORCH = os.path.dirname(torch.__file__) + os.sep
 MiB = 1024**2
 

@@ -33,6 +33,7 @@ import nbmem
 from nbmem.tracking.scope import MemoryScope
 from nbmem.tracking.tracker import default_tracker
 
+pytestmark = pytest.mark.interrupts  # skipped under coverage; .ci/run runs them without it (tests/conftest.py)
 MiB = 1024**2
 ORIGINAL_RESIZE = torch.UntypedStorage.resize_  # torch's own, read while nothing tracks
 NBMEM = os.path.dirname(nbmem.__file__) + os.sep
