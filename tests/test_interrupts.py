@@ -30,6 +30,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import nbmem
+from nbmem.tracking import compiled
 from nbmem.tracking.scope import MemoryScope
 from nbmem.tracking.tracker import default_tracker
 
@@ -70,6 +71,8 @@ def leftovers(model: torch.nn.Module) -> list[str]:
         found.append("post-accumulate-grad hooks")
     if default_tracker("cpu").active:
         found.append("tracker still active")
+    if compiled.probe_installed():
+        found.append("the probe that counts compiled calls (nbmem.tracking.compiled)")
     return found
 
 

@@ -83,6 +83,13 @@ MODES: dict[str, str] = {
 }
 
 
+#: The line a result's text and HTML lead with when its figures may not be the compiled code's.
+COMPILED_WARNING = {
+    "eager": "EAGER FIGURES: torch.compile'd code in the block ran eagerly under tracking (see the notes)",
+    "unknown": "torch.compile was first used in the block: whether its code ran compiled is not known (see the notes)",
+}
+
+
 @dataclass(frozen=True)
 class MemoryResult:
     """The memory one cell (or one ``with nbmem.measure():`` block) used.
@@ -124,6 +131,9 @@ class MemoryResult:
     #: Whether this result's own text and HTML include the breakdown (it was
     #: asked for), e.g. when `%%gpumem -o --breakdown` shows it as Out.
     show_breakdown: bool = field(default=False, compare=False)
+    #: How torch.compile'd code in the block ran: "compiled" (measured as it runs), "eager" (it ran its eager
+    #: Python under tracking: the figures are not the compiled code's), "unknown", or None (none ran).
+    compiled: str | None = None
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "MemoryResult":
@@ -190,6 +200,7 @@ class MemoryResult:
         """One compact line, as ``%gpumem on`` prints it."""
         label = f"[{self.execution_count}] " if self.execution_count is not None else ""
         failed = f" · FAILED ({self.error})" if self.error else ""
+        failed += " · compiled code ran EAGER (see notes)" if self.compiled == "eager" else ""
         return (
             f"gpumem {label}peak {format_bytes(self.peak, signed=True)} allocated"
             f" · retained {format_bytes(self.retained, signed=True)}"
@@ -237,6 +248,8 @@ class MemoryResult:
         head = f"gpumem{' ' + self.label if self.label else ''}: {self.source}"
         if self.error:
             head += f"\n  FAILED with {self.error}: figures cover the cell up to the failure"
+        if self.compiled in ("eager", "unknown"):
+            head += f"\n  {COMPILED_WARNING[self.compiled]}"
         rows = self._rows()
         if breakdown and self.breakdown is not None:
             rows += self.breakdown.rows()
@@ -323,6 +336,8 @@ def report_html(result: MemoryResult, *, breakdown: bool = False) -> str:
         if result.error
         else ""
     )
+    if result.compiled in COMPILED_WARNING:
+        failed += f"<div style='color:#b00020'>{html.escape(COMPILED_WARNING[result.compiled])}</div>"
     notes = "".join(f"<div><i>note:</i> {html.escape(note)}</div>" for note in result.notes)
     scale = "" if result.capacity else " (no device capacity known: bar scaled to the peak)"
     return (

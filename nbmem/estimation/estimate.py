@@ -41,6 +41,7 @@ from .building import (
 from .parallel import parallelize, process_group
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name
 from ..core.results import Breakdown
+from ..tracking.compiled import eager_stance
 from ..tracking.scope import MemoryScope, tracker_alongside_note
 from .step import run_step
 from .tasks import CacheRecord, check_generator, run_generate, run_inference, sized_batch, task_lines, task_notes
@@ -319,6 +320,21 @@ def estimate(
     return estimate_plan(model, batch, plan)
 
 
+def compiled_note(mode: str, calls: int) -> str:
+    """What an estimate says when the step called ``torch.compile``'d code."""
+    how = (
+        "as its eager Python (torch.compiler.set_stance('force_eager'): fake tensors can't run compiled kernels)"
+        if mode == "estimated"
+        else "eagerly (PyTorch runs no compiled frame under the tracker's dispatch mode)"
+    )
+    return (
+        f"estimated as eager: the step called torch.compile'd code {calls} time(s), run {how}. Compiled code often "
+        "holds less (fused kernels free sooner): forward and backward measured 0.04-39 % lower on the CPU and 36-37 % "
+        "lower for a CNN and a GPT-2 on an H100 (inductor, 2026-11); nbmem.track(engine='native') measures "
+        "it compiled on the CPU"
+    )
+
+
 def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan) -> Estimate:
     """:func:`estimate` for a :class:`~nbmem.estimation.plan.Plan` already made (a sweep's, a search's)."""
     if batch is None and plan.task != "generate":
@@ -396,10 +412,17 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
                 if rule is not None:
                     target_rules.enter_context(rule)
+            if fake_mode is not None:
+                # torch.compile'd code runs its own Python: Dynamo would compile under FakeTensorMode (an infra
+                # mode) and inductor's kernels would then read fake tensors' memory (a dead process, issue 23).
+                # Entered here, after the model factory ran: a factory may be what first loads Dynamo.
+                target_rules.enter_context(eager_stance())
+            compiled_calls = 0
             for _ in range(2 if task == "train" else 1):  # an inference pass has no state that a second one would add
                 with scope() as one:
                     one_step()
                 result = one.result
+                compiled_calls += one.compiled_calls or 0
                 # set when the scope closed; a tracker (tracked, or breakdown=True) made the breakdown
                 assert result is not None and result.breakdown is not None
                 peaks.append(result.peak_allocated - before[0])
@@ -451,6 +474,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     else:
         notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
         notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
+    if compiled_calls:
+        notes.append(compiled_note(mode, compiled_calls))
     if step is not None:
         notes += user_step_notes(step, precision, run_on)
     notes += task_notes(task, plan.prompt_length, plan.new_tokens)

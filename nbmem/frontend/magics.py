@@ -19,6 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..core import _env
 from . import display
+from ..tracking.compiled import expects_compiled
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..core.results import History, MemoryResult, first_line
 from ..tracking.scope import Backend, Engine, MemoryScope, resolve_backend
@@ -38,7 +39,7 @@ class _EveryCell:
     quiet: bool = False
     capacity: str | None = None
     live: bool = True  # the compact live line for long cells; `%gpumem on --no-live` turns it off
-    engine: Engine = "dispatch"
+    engine: Engine = "auto"
 
 
 @dataclass
@@ -82,6 +83,20 @@ def _is_nbmem_cell(source: str) -> bool:
 
 #: How IPython's static transforms write a ``%%gpumem`` cell (IPython.core.inputtransformer2.cell_magic).
 _CELL_CALL = "get_ipython().run_cell_magic"
+
+
+def _expects_compiled(body: CodeType, last: CodeType | None, namespace: dict[str, Any]) -> bool:
+    """Whether a cell will run torch.compile'd code, guessed from the names it uses (tracking.compiled)."""
+    return expects_compiled(body, namespace) or (last is not None and expects_compiled(last, namespace))
+
+
+def _cell_expects_compiled(shell: Any, raw: str) -> bool:
+    """:func:`_expects_compiled` for a cell ``%gpumem on`` is about to run (its source; IPython runs it after)."""
+    try:
+        code = compile(shell.transform_cell(raw), "<cell>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError):  # IPython shows it when it runs the cell; nothing to guess from
+        return False
+    return expects_compiled(code, shell.user_ns)
 
 
 def _compiled(shell: Any, cell: str, number: int) -> tuple[CodeType, CodeType | None]:
@@ -164,9 +179,10 @@ class GpuMemMagics(Magics):
     )
     @argument(
         "--engine",
-        default="dispatch",
-        help="how tracked mode sees memory: dispatch (every op, the default) or native "
-        "(the CPU allocator's blocks counted in C++: no slowdown per op; no --capacity or --timeline)",
+        default="auto",
+        help="how tracked mode sees memory: dispatch (every op), native "
+        "(the CPU allocator's blocks counted in C++: no slowdown per op, compiled code runs compiled; no --capacity "
+        "or --timeline), or auto (the default: dispatch, or native where the cell runs torch.compile'd code)",
     )
     @output_can_be_silenced  # a trailing `;` hides the cell's value, as in any IPython cell
     @line_cell_magic
@@ -176,7 +192,7 @@ class GpuMemMagics(Magics):
         Usage, on a cell::
 
           %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--capacity SIZE_OR_PRESET]
-                   [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}] [--engine {dispatch,native}]
+                   [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}] [--engine {auto,dispatch,native}]
 
         and as a line::
 
@@ -195,9 +211,12 @@ class GpuMemMagics(Magics):
         to count (``auto``, ``cuda`` or ``tracked``). Tracked on the CPU,
         ``--engine native`` counts the CPU allocator's blocks in C++
         instead of seeing every op from Python: the cell runs at about its
-        untracked speed (the default ``dispatch`` engine costs 1.1-1.2x); it
+        untracked speed (the ``dispatch`` engine costs 1.1-1.2x); it
         builds a small library with the system's C++ compiler once, and has
-        no ``--capacity``, ``--timeline`` or op at the peak. Options are read as a
+        no ``--capacity``, ``--timeline`` or op at the peak. The default,
+        ``--engine auto``, is ``dispatch`` unless the cell uses
+        ``torch.compile``'d code, which runs compiled only under ``native``
+        (under ``dispatch`` it runs eagerly, and the report says so). Options are read as a
         shell reads words: quote a value with a space (``--capacity '16 GiB'``).
         A ``;`` ending the cell's last line hides its value, as IPython does
         (with ``-o``, the result too; the report then still shows).
@@ -277,6 +296,7 @@ class GpuMemMagics(Magics):
             capacity=args.capacity,
             timeline=args.timeline,
             engine=args.engine,
+            expect_compiled=args.engine == "auto" and _expects_compiled(body, last, namespace),
         )
         gauge: LiveGauge | None = None
         # start and stop inside the try: Ctrl-C between scope.start() returning and the try, or on
@@ -423,6 +443,7 @@ class GpuMemMagics(Magics):
         scope = MemoryScope(
             options.backend, options.device, label=first_line(raw), execution_count=session.cell_number,
             capacity=options.capacity, engine=options.engine,
+            expect_compiled=options.engine == "auto" and _cell_expects_compiled(self.shell, raw),
         )
         session.pending = scope.start()
         every = session.every_cell

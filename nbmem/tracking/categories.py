@@ -27,6 +27,8 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
+from .dispatch import skip_dynamo
+
 
 
 class Accounts(Protocol):
@@ -319,3 +321,9 @@ def _remove_saved_tensors_hooks(attribution: Attribution) -> None:
     finally:
         for pack, unpack in reversed(above):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+# Dynamo compiles any Python frame that starts while a compiled region runs: a hook that autograd or a module
+# call runs there would be compiled (and recompiled, per tensor) on its own. Skipped, with what they call.
+for _hook in ("_on_forward", "_on_forward_end", "_on_parameter", "_on_buffer", "_on_grad", "_on_step_begin", "_on_step_end"):
+    skip_dynamo(getattr(Attribution, _hook))

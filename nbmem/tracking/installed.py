@@ -227,4 +227,7 @@ def remove_every_tracker() -> int:
         tracker.scopes.close_above(0)  # the abandoned scope's figures
     for native in list(_NATIVE):
         native.unregister()  # its allocator, passing allocations through between blocks, goes too
+    from .compiled import forget_watches
+
+    forget_watches()  # the probe that counts compiled calls (nbmem.tracking.compiled)
     return len(found)

@@ -54,6 +54,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .categories import BACKWARD, Attribution, remove_global_hooks
 from .counters import PeakScopes
 from .installed import Activation, forget_native, note_native
+from .dispatch import skip_dynamo
 from .live import walk
 from .native import NativeUnavailable, library
 from ..core.records import PeakDetail, StorageRecord, _device_test, _parts, _PLAIN, _wraps
@@ -372,3 +373,6 @@ class NativeTracker(Activation):
 def native_tracker() -> NativeTracker:
     """The process's one native tracker (the CPU allocator is process-wide); builds the library first."""
     return NativeTracker()
+
+
+skip_dynamo(NativeTracker.classify)  # called from hooks, which may run inside a compiled region (categories.py says why)

@@ -11,12 +11,14 @@ plain Python and in pytest::
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from . import compiled
 from .counters import CudaCounter, OpenScope, cuda_counter
 from ..core.results import CATEGORIES, Breakdown, MemoryResult
 from ..core.units import format_bytes
@@ -30,12 +32,12 @@ __all__ = ["MemoryScope", "measure", "track", "resolve_backend", "native_engine"
 
 Backend = Literal["auto", "cuda", "tracked"]
 BACKENDS = ("auto", "cuda", "tracked")
-Engine = Literal["dispatch", "native"]
+Engine = Literal["auto", "dispatch", "native"]
 #: How tracked mode sees memory: every op through a Python dispatch mode (the
 #: default: exact storages, the op at the peak, virtual capacity, timelines), or
 #: the CPU allocator's blocks counted in C++ (nbmem.tracking.native_tracking: no trip
 #: into Python per op).
-ENGINES = ("dispatch", "native")
+ENGINES = ("auto", "dispatch", "native")
 
 
 def _current_cuda() -> int:
@@ -125,13 +127,19 @@ class MemoryScope:
         breakdown: bool = False,
         capacity: int | str | None = None,
         timeline: bool = False,
-        engine: Engine = "dispatch",
+        engine: Engine = "auto",
+        expect_compiled: bool = False,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
         if tracker is not None:
             backend, device = "tracked", tracker.device
         self.mode, self.device = resolve_backend(backend, device)
+        #: the engine chose itself ("auto") because the block will run compiled code
+        self.chose_native = False
+        if engine == "auto":
+            self.chose_native = _native_for_compiled(self.mode, self.device, tracker, capacity, timeline, expect_compiled)
+            engine = "native" if self.chose_native else "dispatch"
         if engine == "native" and tracker is None:
             tracker = native_engine(self.mode, self.device, capacity, timeline)
         self.engine = "native" if tracker is not None and not isinstance(tracker, Tracker) else "dispatch"
@@ -165,6 +173,10 @@ class MemoryScope:
         self._saved_capacity: tuple[int | None, str] = (None, "")
         self._capacity_set = False
         self._started = 0.0
+        self._compiled_from: int | None = None  # compiled calls counted before the block (compiled.watch)
+        #: torch.compile'd regions the block entered (None: nobody could count them)
+        self.compiled_calls: int | None = None
+        self._dynamo_before = False
 
     @property
     def running(self) -> bool:
@@ -215,6 +227,8 @@ class MemoryScope:
                     self._saved_capacity = (tracker.capacity, tracker.capacity_label)
                     self._capacity_set = True
                     tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
+            self._dynamo_before = "torch._dynamo" in sys.modules
+            self._compiled_from = compiled.watch(self)
             self._started = time.perf_counter()
             return self
         except BaseException:
@@ -231,6 +245,7 @@ class MemoryScope:
         interrupted start; the scopes it opened above them are closed.
         """
         tracker, counter = self._tracker, self._counter
+        compiled.unwatch(self)
         if open_before is not None:
             counter.scopes.close_above(open_before[0])
         if tracker is not None:
@@ -267,6 +282,7 @@ class MemoryScope:
             if isinstance(counter, CudaCounter) and error is None:
                 counter.synchronize()  # the wall time includes the GPU work the block queued
             seconds = time.perf_counter() - self._started
+            self.compiled_calls = compiled.entered_since(self._compiled_from)
             unseen = 0
             refused = error is not None and issubclass(error if isinstance(error, type) else type(error), torch.OutOfMemoryError)
             if tracker is counter and not isinstance(counter, CudaCounter) and counter.whole_device and not refused:
@@ -314,6 +330,8 @@ class MemoryScope:
                 "native engine: every block the CPU allocator gave while the block ran, on any thread, "
                 "kernels' scratch included, counted in C++; the op at the peak is not known"
             )
+        ran_as, said = self._compiled_figures()
+        notes += said
         if isinstance(counter, CudaCounter):
             name, capacity, free = counter.device_view()
         if self.capacity is not None:
@@ -361,13 +379,64 @@ class MemoryScope:
             breakdown=breakdown,
             timeline=timeline,
             show_breakdown=self._show_breakdown,
+            compiled=ran_as,
         )
+
+    def _compiled_figures(self) -> tuple[str | None, list[str]]:
+        """How compiled code in the block ran ("compiled", "eager", "unknown" or None: none ran), and the notes."""
+        calls = self.compiled_calls
+        # a dispatch mode on the stack (the dispatch engine's, or a tracker alongside a measurement) runs it eagerly
+        eager = self.engine == "dispatch" and self._tracker is not None
+        if calls is None and eager and not self._dynamo_before and "torch._dynamo" in sys.modules:
+            return "unknown", [
+                "torch.compile was first used inside this block, so nbmem could not see whether compiled code ran: "
+                "if it did, it ran eagerly under tracking and these figures are the eager code's. Run the block "
+                "again (it is watched from now on: the next run picks the native engine where it can)"
+            ]
+        if not calls:
+            return None, []
+        if eager:
+            compiled.note_seen()  # later "auto" scopes pick the native engine
+            why = (
+                "without --breakdown, --capacity and --timeline, measured mode (the allocator's own counters) sees "
+                "compiled code as it runs"
+                if self.mode == "measured"
+                else "--capacity and --timeline need every op, which only the dispatch engine sees"
+                if self.capacity is not None or self._timeline
+                else "the native engine measures compiled code compiled (CPU, engine='native' or %%gpumem --engine native)"
+                if self.device.type == "cpu"
+                else f"on {self.device}, measured mode (the allocator's own counters) sees compiled code as it runs"
+            )
+            how = "tracked mode's default engine is" if self.mode == "tracked" else "the tracker alongside the measurement is"
+            return "eager", [
+                f"EAGER FIGURES: the block called torch.compile'd code {calls} time(s), and it ran its eager Python: "
+                f"{how} a dispatch mode, under which PyTorch runs no compiled frame. The "
+                f"compiled code's own memory (fused kernels, inductor's buffers) was not measured; {why}"
+            ]
+        if self.mode == "measured":
+            return "compiled", [
+                "torch.compile'd code ran compiled; a CUDA graph (mode='reduce-overhead') allocates from its own "
+                "pool when recorded, so a replay's memory is not this block's unless the block recorded it"
+            ]
+        chose = " (chosen for it: the default engine would have run it eagerly)" if self.chose_native else ""
+        return "compiled", [f"torch.compile'd code ran compiled ({calls} call(s)), its buffers counted by the native engine{chose}"]
 
     def __enter__(self) -> "MemoryScope":
         return self.start()
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         self.stop(exc_type)
+
+
+def _native_for_compiled(mode: str, device: torch.device, tracker: Any, capacity: Any, timeline: bool, expect: bool) -> bool:
+    """Whether an "auto" scope takes the native engine: the block will run compiled code, and it can serve the rest."""
+    if tracker is not None or mode != "tracked" or device.type != "cpu" or capacity is not None or timeline:
+        return False
+    if not (expect or compiled.seen()):
+        return False
+    from .native import available
+
+    return available()
 
 
 def native_engine(mode: str, device: torch.device, capacity: Any, timeline: bool) -> Any:
@@ -416,7 +485,7 @@ def measure(
     breakdown: bool = False,
     capacity: int | str | None = None,
     timeline: bool = False,
-    engine: Engine = "dispatch",
+    engine: Engine = "auto",
 ) -> MemoryScope:
     """Measure a block: on CUDA with the allocator's statistics, else tracked.
 
@@ -431,7 +500,8 @@ def measure(
     >>> scope.result.retained if scope.result.mode == "tracked" else 1024
     1024
     """
-    return MemoryScope(backend, device, label=label, breakdown=breakdown, capacity=capacity, timeline=timeline, engine=engine)
+    return MemoryScope(backend, device, label=label, breakdown=breakdown, capacity=capacity, timeline=timeline, engine=engine,
+                       expect_compiled=engine == "auto" and _caller_expects_compiled())
 
 
 def track(
@@ -439,10 +509,17 @@ def track(
     *,
     label: str = "",
     capacity: int | str | None = None,
-    engine: Engine = "dispatch",
+    engine: Engine = "auto",
 ) -> MemoryScope:
     """Track a block: every tensor storage on ``device`` is accounted, CUDA or not.
 
+    ``engine="auto"`` (the default) is the dispatch engine, unless the block
+    will run ``torch.compile``'d code (the code around the ``with`` names a
+    compiled model or function, or ``compile``; locals are looked at from
+    Python 3.13 on, globals always; or compiled code already ran under a
+    tracker): then the native engine, under which it runs compiled
+    (:mod:`nbmem.tracking.compiled`). Compiled code that ran eagerly under the
+    dispatch engine is said in the result (``result.compiled == "eager"``).
     ``engine="native"`` (CPU only) counts the CPU allocator's blocks in C++
     instead of seeing every op in Python: about 1.0x the untracked time
     where the default costs 1.1-1.2x (``benchmarks/bench_overhead.py``). It
@@ -457,4 +534,15 @@ def track(
     >>> dict(scope.result.breakdown.after)["other"] >= 512   # on the device after: x among it, not a parameter...
     True
     """
-    return MemoryScope("tracked", device, label=label, capacity=capacity, engine=engine)
+    return MemoryScope("tracked", device, label=label, capacity=capacity, engine=engine,
+                       expect_compiled=engine == "auto" and _caller_expects_compiled())
+
+
+def _caller_expects_compiled() -> bool:
+    """Whether the code that called measure() or track() names compiled things (compiled.expects_compiled)."""
+    frame = sys._getframe(2)
+    if sys.version_info >= (3, 13):  # f_locals is a view (PEP 667)
+        return compiled.expects_compiled(frame.f_code, frame.f_locals, frame.f_globals)
+    # Before 3.13, reading f_locals leaves a copy of every local on the frame, and with it the user's tensors
+    # alive after they `del` them (seen in tests/test_interrupts.py): globals only, a cell's namespace among them
+    return compiled.expects_compiled(frame.f_code, frame.f_globals)

@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from .counters import PeakScopes
-from .dispatch import TrackingMode
+from .dispatch import TrackingMode, skip_dynamo
 from ..core.records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _device_test, _parts, _PLAIN,
                       _virtual_device_is_full, _wraps, rebuild_counters)
 from .installed import Activation, remove_dispatch_modes, remove_every_tracker, unwatch_resizes, watch_resizes
@@ -591,3 +591,6 @@ def default_tracker(device: str | torch.device = "cpu") -> Tracker:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return _default_tracker(str(device))
+
+
+skip_dynamo(Tracker.classify)  # called from hooks, which may run inside a compiled region (categories.py says why)

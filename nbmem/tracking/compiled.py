@@ -1,0 +1,185 @@
+"""``torch.compile``'d code in a measured block: whether it ran, whether it will, and running it eagerly on purpose.
+
+Dynamo runs a compiled frame only when no non-infra dispatch mode is on the
+stack (``torch/_dynamo/convert_frame.py``: "non-infra torch dispatch mode
+present"); under tracked mode's dispatch engine a compiled model therefore
+runs its *eager* code, and the figures are the eager step's, with no word
+from PyTorch. Inductor's own buffers come from ``empty_strided_cpu``, which no
+dispatch mode sees either. The native engine counts the CPU allocator's blocks
+and leaves the mode stack alone, so compiled code runs compiled under it and
+every buffer is counted.
+
+Three things here, each cheap:
+
+- :func:`watch` / :func:`entered_since`: every compiled function or module
+  enters through one Dynamo helper (``eval_frame._callback_from_stance``,
+  which turns the compiled callback into the one the current stance wants);
+  while a watch is on, a wrapper counts the calls that carry a compiler
+  callback. Nothing per op. A torch without the helper is told apart
+  (:data:`WATCHABLE`), and results then say they could not check.
+- :func:`expects_compiled`: whether code about to run names compiled things
+  (an ``OptimizedModule``, a compiled function, a module compiled in place
+  with ``Module.compile()``, or ``compile`` itself), or compiled code already
+  ran under a tracker in this process; a scope then picks the native engine.
+- :func:`eager_stance`: ``torch.compiler.set_stance("force_eager")``, for
+  estimates (fake tensors must never reach inductor's compiled kernels).
+
+>>> owner = object()
+>>> start = watch(owner)      # None here: nothing imported Dynamo yet
+>>> entered_since(start) in (None, 0)
+True
+>>> unwatch(owner)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from types import CodeType
+from typing import Any, Iterator, Mapping
+
+import torch
+
+__all__ = ["watch", "unwatch", "entered_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen"]
+
+#: Compiled regions entered while any watch was on (only grows).
+_entered = 0
+#: ids of the open watches' owners (scopes); the probe is in while there is one.
+_watches: set[int] = set()
+_original: Any = None
+#: Compiled code ran under a tracker's dispatch mode in this process: later "auto" scopes pick the native engine.
+_seen = False
+
+
+def _eval_frame() -> Any:
+    """Dynamo's eval_frame module if something imported it (importing it costs seconds: never here)."""
+    return sys.modules.get("torch._dynamo.eval_frame")
+
+
+def _probe(callback: Any) -> Any:
+    global _entered
+    if callback is not None and callback is not False:  # None: a disabled region; False: run-only mode
+        _entered += 1
+    return _original(callback)
+
+
+def watch(owner: object) -> int | None:
+    """Count compiled regions entered from now on, for ``owner``; the count to give :func:`entered_since`.
+
+    None when nothing can be watched: Dynamo is not loaded yet (nothing was
+    compiled before; code that compiles inside the block is not seen), or
+    this torch has no ``_callback_from_stance``.
+    """
+    global _original
+    _watches.add(id(owner))
+    frames = _eval_frame()
+    current = getattr(frames, "_callback_from_stance", None)
+    if current is not None and current is not _probe:
+        _original = current
+        frames._callback_from_stance = _probe
+    return _entered if probe_installed() else None
+
+
+def entered_since(start: int | None) -> int | None:
+    """Compiled regions entered since :func:`watch` returned ``start``; None if it could not watch."""
+    return None if start is None else _entered - start
+
+
+def unwatch(owner: object) -> None:
+    """End ``owner``'s watch; the last one out takes the probe out. Idempotent: a repeat finishes an interrupted one."""
+    _watches.discard(id(owner))
+    if not _watches:
+        remove_probe()
+
+
+def forget_watches() -> None:
+    """End every watch and take the probe out: ``%unload_ext nbmem``, after scopes Ctrl-C cut off."""
+    _watches.clear()
+    remove_probe()
+
+
+def remove_probe() -> None:
+    """Put Dynamo's own helper back, whatever watches think (``%unload_ext nbmem``, interrupted scopes)."""
+    frames = _eval_frame()
+    if frames is not None and getattr(frames, "_callback_from_stance", None) is _probe and _original is not None:
+        frames._callback_from_stance = _original
+
+
+def probe_installed() -> bool:
+    frames = _eval_frame()
+    return frames is not None and getattr(frames, "_callback_from_stance", None) is _probe
+
+
+def seen() -> bool:
+    """Whether compiled code ran under a tracker's dispatch mode (eagerly) earlier in this process."""
+    return _seen
+
+
+def note_seen() -> None:
+    global _seen
+    _seen = True
+
+
+def _names(code: CodeType) -> Iterator[str]:
+    yield from code.co_names
+    yield from code.co_varnames
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            yield from _names(const)
+
+
+def _is_compiled(value: Any) -> bool:
+    if callable(value) and getattr(value, "_torchdynamo_orig_callable", None) is not None:
+        return True  # a compiled function, or OptimizedModule's forward
+    if isinstance(value, torch.nn.Module):
+        frames = _eval_frame()
+        if frames is not None and isinstance(value, frames.OptimizedModule):
+            return True
+        return any(getattr(module, "_compiled_call_impl", None) is not None for module in value.modules())
+    return False
+
+
+def expects_compiled(code: CodeType | None, *namespaces: Mapping[str, Any]) -> bool:
+    """Whether ``code`` (a cell's, or the function around a ``with`` block) will likely run compiled code.
+
+    True when compiled code already ran under a tracker here, when the code
+    names ``compile`` (``torch.compile(model)``, ``model.compile()``), or when
+    a name it uses is bound in ``namespaces`` to something compiled. A guess
+    from names, made before the code runs; :func:`entered_since` says after
+    whether compiled code really ran.
+
+    >>> expects_compiled(compile("model = torch.compile(net)", "<cell>", "exec"))
+    True
+    >>> expects_compiled(compile("y = net(x)", "<cell>", "exec"), {"net": torch.nn.Linear(1, 1)})
+    False
+    """
+    if _seen:
+        return True
+    if code is None:
+        return False
+    names = set(_names(code))
+    if "compile" in names:
+        return True
+    if _eval_frame() is None:  # nothing was ever compiled in this process
+        return False
+    for name in names:
+        for namespace in namespaces:
+            if name in namespace:
+                if _is_compiled(namespace[name]):
+                    return True
+                break
+    return False
+
+
+@contextlib.contextmanager
+def eager_stance() -> Iterator[None]:
+    """Compiled code inside runs its original Python, eagerly (``torch.compiler.set_stance("force_eager")``).
+
+    Only when Dynamo is loaded: otherwise nothing was compiled, and loading
+    it would cost seconds.
+    """
+    if _eval_frame() is None:
+        yield
+        return
+    with torch.compiler.set_stance("force_eager"):
+        yield
