@@ -87,6 +87,28 @@ def test_a_compiled_function_is_counted_per_call():
     assert scope.compiled_calls == 3
 
 
+def test_compiled_code_run_under_the_dispatch_engine_stays_compiled_afterwards():
+    # PyTorch marks a frame it skipped under a dispatch mode skipped for good: without nbmem's care, one
+    # tracked cell would have de-compiled the user's model for the rest of the session (torch 2.13)
+    graph_runs = []
+
+    def counting(graph, example_inputs):
+        def run(*args):
+            graph_runs.append(1)
+            return graph(*args)
+
+        return run
+
+    fast = torch.compile(lambda t: t.sin() + 1, backend=counting)
+    fast(torch.ones(4))
+    assert len(graph_runs) == 1
+    with nbmem.track("cpu", engine="dispatch") as scope:
+        fast(torch.ones(4))
+    assert (scope.compiled_calls, len(graph_runs)) == (1, 1)  # eager inside: the graph did not run
+    fast(torch.ones(4))
+    assert len(graph_runs) == 2  # compiled again outside
+
+
 def test_guessing_from_names():
     net = nn.Linear(2, 2)
     fast = torch.compile(nn.Linear(2, 2), backend="eager")

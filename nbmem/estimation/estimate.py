@@ -329,9 +329,9 @@ def compiled_note(mode: str, calls: int) -> str:
     )
     return (
         f"estimated as eager: the step called torch.compile'd code {calls} time(s), run {how}. Compiled code often "
-        "holds less (fused kernels free sooner): forward and backward measured 0.04-39 % lower on the CPU and 36-37 % "
-        "lower for a CNN and a GPT-2 on an H100 (inductor, 2026-11); nbmem.track(engine='native') measures "
-        "it compiled on the CPU"
+        "holds less: inductor's forward and backward held 11-38 % less than eager for an MLP, a CNN and a GPT-2 on "
+        "the CPU (benchmarks/bench_compiled.py) and up to 37 % less on an H100 (2026-11); nbmem.track() measures "
+        "it compiled on the CPU (the native engine)"
     )
 
 

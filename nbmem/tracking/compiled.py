@@ -46,6 +46,8 @@ __all__ = ["watch", "unwatch", "entered_since", "expects_compiled", "eager_stanc
 _entered = 0
 #: ids of the open watches' owners (scopes); the probe is in while there is one.
 _watches: set[int] = set()
+#: the owners among them that run a dispatch mode: compiled code runs eagerly while one is open (_probe says why)
+_eager: set[int] = set()
 _original: Any = None
 #: Compiled code ran under a tracker's dispatch mode in this process: later "auto" scopes pick the native engine.
 _seen = False
@@ -60,18 +62,29 @@ def _probe(callback: Any) -> Any:
     global _entered
     if callback is not None and callback is not False:  # None: a disabled region; False: run-only mode
         _entered += 1
+        if _eager:
+            # Under a dispatch mode Dynamo would skip the frame, and mark its code skipped for good: the
+            # compiled function then runs eagerly for the rest of the process, mode or not (seen with
+            # torch 2.13). No callback, as torch.compiler.set_stance("force_eager") gives, runs it eagerly
+            # this once and leaves it compiled.
+            return None
     return _original(callback)
 
 
-def watch(owner: object) -> int | None:
+def watch(owner: object, *, eager: bool = False) -> int | None:
     """Count compiled regions entered from now on, for ``owner``; the count to give :func:`entered_since`.
 
+    ``eager``: the owner runs a dispatch mode (tracked mode's dispatch
+    engine, a tracker alongside a measurement): compiled code runs eagerly
+    until its watch ends, without PyTorch's lasting skip (:func:`_probe`).
     None when nothing can be watched: Dynamo is not loaded yet (nothing was
     compiled before; code that compiles inside the block is not seen), or
     this torch has no ``_callback_from_stance``.
     """
     global _original
     _watches.add(id(owner))
+    if eager:
+        _eager.add(id(owner))
     frames = _eval_frame()
     current = getattr(frames, "_callback_from_stance", None)
     if current is not None and current is not _probe:
@@ -87,6 +100,7 @@ def entered_since(start: int | None) -> int | None:
 
 def unwatch(owner: object) -> None:
     """End ``owner``'s watch; the last one out takes the probe out. Idempotent: a repeat finishes an interrupted one."""
+    _eager.discard(id(owner))
     _watches.discard(id(owner))
     if not _watches:
         remove_probe()
@@ -94,6 +108,7 @@ def unwatch(owner: object) -> None:
 
 def forget_watches() -> None:
     """End every watch and take the probe out: ``%unload_ext nbmem``, after scopes Ctrl-C cut off."""
+    _eager.clear()
     _watches.clear()
     remove_probe()
 

@@ -228,7 +228,7 @@ class MemoryScope:
                     self._capacity_set = True
                     tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
             self._dynamo_before = "torch._dynamo" in sys.modules
-            self._compiled_from = compiled.watch(self)
+            self._compiled_from = compiled.watch(self, eager=self._runs_a_dispatch_mode())
             self._started = time.perf_counter()
             return self
         except BaseException:
@@ -382,16 +382,20 @@ class MemoryScope:
             compiled=ran_as,
         )
 
+    def _runs_a_dispatch_mode(self) -> bool:
+        """Whether the block runs under a dispatch mode: the dispatch engine's, or a tracker's alongside a measurement."""
+        return self.engine == "dispatch" and self._tracker is not None
+
     def _compiled_figures(self) -> tuple[str | None, list[str]]:
         """How compiled code in the block ran ("compiled", "eager", "unknown" or None: none ran), and the notes."""
         calls = self.compiled_calls
-        # a dispatch mode on the stack (the dispatch engine's, or a tracker alongside a measurement) runs it eagerly
-        eager = self.engine == "dispatch" and self._tracker is not None
+        eager = self._runs_a_dispatch_mode()
         if calls is None and eager and not self._dynamo_before and "torch._dynamo" in sys.modules:
             return "unknown", [
                 "torch.compile was first used inside this block, so nbmem could not see whether compiled code ran: "
-                "if it did, it ran eagerly under tracking and these figures are the eager code's. Run the block "
-                "again (it is watched from now on: the next run picks the native engine where it can)"
+                "if it did, it ran eagerly under tracking and these figures are the eager code's, and PyTorch, "
+                "which skipped its frames under the tracker's dispatch mode, runs it eagerly from now on: "
+                "torch._dynamo.reset() compiles it afresh. Blocks are watched from now on"
             ]
         if not calls:
             return None, []
