@@ -48,7 +48,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("accel", "snapshot", "compile", "bnb", "cudnn")
+SECTIONS = ("accel", "snapshot", "compile", "bnb", "cudnn", "nbmem-compiled")
 MiB = 1 << 20
 
 
@@ -318,6 +318,47 @@ def probe_compile(name: str, backend: str) -> dict[str, Any]:
     return result
 
 
+def probe_nbmem_compiled(name: str) -> dict[str, Any]:
+    """nbmem around an inductor-compiled step on CUDA: measured, with a breakdown (eager), tracked; compiled after?"""
+    import nbmem
+    import torch._dynamo.eval_frame as frames
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MODELS[name][0]().cuda()
+    call = torch.compile(model)
+    inputs = MODELS[name][1]()
+
+    def one_step() -> None:
+        model.zero_grad(set_to_none=True)
+        loss_of(name, call, inputs).backward()
+        torch.cuda.synchronize()
+
+    def raw_peak() -> int:
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        reset()
+        before = torch.cuda.memory_allocated()
+        loss_of(name, call, inputs).backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    one_step()
+    one_step()
+    result: dict[str, Any] = {"has_callback_from_stance": hasattr(frames, "_callback_from_stance"), "raw_before": raw_peak()}
+    for label, options in (("measure", {}), ("measure_breakdown", {"breakdown": True}), ("track", {"backend": "tracked"})):
+        model.zero_grad(set_to_none=True)
+        with nbmem.measure("cuda", **options) as scope:  # type: ignore[arg-type]
+            loss_of(name, call, inputs).backward()
+        r = scope.result
+        result[label] = {"peak": r.peak, "compiled": r.compiled, "calls": scope.compiled_calls, "engine": scope.engine,
+                         "notes": [n[:160] for n in r.notes if "compile" in n]}
+    result["raw_after"] = raw_peak()  # equal to raw_before: still compiled after the eager blocks
+    del model, call, inputs
+    torch._dynamo.reset()
+    return result
+
+
 # -- bitsandbytes ---------------------------------------------------------------
 
 
@@ -554,6 +595,9 @@ def main(argv: list[str] | None = None) -> int:
     if "cudnn" in sections:
         probes.item("cudnn.lstm", lambda: probe_cudnn_ops("lstm"))
         probes.item("cudnn.cnn", lambda: probe_cudnn_ops("cnn"))
+    if "nbmem-compiled" in sections:
+        for name in ("cnn", "gpt"):
+            probes.item(f"nbmem-compiled.{name}", lambda n=name: probe_nbmem_compiled(n), reserve=30.0)
     probes.save()
     print(json.dumps({k: v["status"][:80] for k, v in probes.results["items"].items()}, indent=1))
     return 0

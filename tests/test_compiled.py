@@ -214,17 +214,17 @@ def test_the_probe_is_out_after_every_scope_and_after_unload(eager_compiled):
 @needs_native
 def test_gpumem_cell_with_a_compiled_model_is_measured_compiled(shell, eager_compiled):
     shell.user_ns.update(fast=eager_compiled[1], torch=torch)
-    shell.run_cell("%%gpumem -q\nfast(torch.randn(8, 256)).sum().backward()")
+    shell.run_cell("%%gpumem -q --backend tracked --device cpu\nfast(torch.randn(8, 256)).sum().backward()")
     (entry,) = nbmem.history(shell)
     assert entry.compiled == "compiled"
-    shell.run_cell("%%gpumem -q --engine dispatch\nfast(torch.randn(8, 256)).sum().backward()")
+    shell.run_cell("%%gpumem -q --backend tracked --device cpu --engine dispatch\nfast(torch.randn(8, 256)).sum().backward()")
     assert nbmem.history(shell)[-1].compiled == "eager"
 
 
 @needs_native
 def test_gpumem_on_measures_a_compiled_cell_compiled(shell, eager_compiled):
     shell.user_ns.update(fast=eager_compiled[1], torch=torch)
-    shell.run_cell("%gpumem on -q")
+    shell.run_cell("%gpumem on -q --backend tracked --device cpu")
     shell.run_cell("fast(torch.randn(8, 256)).sum().backward()")
     shell.run_cell("%gpumem off -q")
     assert nbmem.history(shell)[-1].compiled == "compiled"
