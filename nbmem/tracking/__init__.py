@@ -8,5 +8,5 @@ to categories and modules (:mod:`.categories`); the baseline walk of live
 tensors (:mod:`.live`); nestable scopes, the API of ``nbmem.measure`` and
 ``nbmem.track`` (:mod:`.scope`); the timeline, out-of-memory diagnosis and
 reclaiming what failed cells hold (:mod:`.timeline`, :mod:`.diagnosis`,
-:mod:`.reclaim`). Built on :mod:`nbmem.core` only.
+:mod:`.reclaim`); compiled code in a block, seen and guessed (:mod:`.compiled`). Built on :mod:`nbmem.core` only.
 """
