@@ -71,6 +71,8 @@ def leftovers(model: torch.nn.Module) -> list[str]:
         found.append("post-accumulate-grad hooks")
     if default_tracker("cpu").active:
         found.append("tracker still active")
+    if default_tracker("cpu")._lines is not None:
+        found.append("lines still counted")
     if compiled.probe_installed():
         found.append("the probe that counts compiled calls (nbmem.tracking.compiled)")
     return found

@@ -24,7 +24,7 @@ __all__ = ["StorageRecord", "PeakDetail", "Recording", "VirtualOOM", "rebuild_co
 class StorageRecord:
     """What the tracker knows of one live (or, in a recording, past) storage."""
 
-    __slots__ = ("size", "category", "module", "born", "died", "op", "shape", "dtype")
+    __slots__ = ("size", "category", "module", "born", "died", "op", "shape", "dtype", "line")
 
     def __init__(self, size: int, born: int, op: Any, module: str | None, shape: tuple[int, ...], dtype: Any) -> None:
         self.size = size
@@ -35,21 +35,24 @@ class StorageRecord:
         self.op = op
         self.shape = shape
         self.dtype = dtype
+        self.line: Any = None  # the user's line that made it, while lines are asked for (nbmem.tracking.lines)
 
 
 class PeakDetail:
     """Live bytes by category and by top-level module at the moment of a peak."""
 
-    __slots__ = ("op_index", "op", "module", "categories", "modules")
+    __slots__ = ("op_index", "op", "module", "categories", "modules", "lines")
 
     def __init__(
-        self, op_index: int, op: Any, module: str | None, categories: dict[str, int], modules: dict[str | None, int]
+        self, op_index: int, op: Any, module: str | None, categories: dict[str, int], modules: dict[str | None, int],
+        lines: dict[Any, int] | None = None,
     ) -> None:
         self.op_index = op_index
         self.op = op
         self.module = module
         self.categories = categories
         self.modules = modules
+        self.lines = lines  # live bytes per user line, when lines were asked for
 
 
 class Recording:

@@ -83,6 +83,35 @@ MODES: dict[str, str] = {
 }
 
 
+@dataclass(frozen=True)
+class LineUsage:
+    """One line of the user's code in a result's ``lines`` (``nbmem.track(lines=True)``, ``%%gpumem --lines``).
+
+    ``at_peak``: bytes alive at the block's peak that this line allocated;
+    ``allocated``: bytes it allocated while the block ran, freed or not. A
+    storage is charged to the innermost frame of the user's code when it is
+    made (backward's to the ``loss.backward()`` line); ``where`` is
+    ``"(alive before)"`` for what existed before the block.
+    """
+
+    where: str
+    source: str
+    at_peak: int
+    allocated: int
+
+
+def lines_table(lines: Sequence[LineUsage], limit: int = 12) -> list[str]:
+    """The lines as text rows, most held at the peak first (``limit`` rows, then how many more)."""
+    shown = list(lines[:limit])
+    rows = text_table(
+        ("line", "at the peak", "allocated", "code"),
+        [(line.where, format_bytes(line.at_peak), format_bytes(line.allocated), line.source[:60]) for line in shown],
+    )
+    if len(lines) > limit:
+        rows.append(f"... and {len(lines) - limit} more lines")
+    return rows
+
+
 #: The line a result's text and HTML lead with when its figures may not be the compiled code's.
 COMPILED_WARNING = {
     "eager": "EAGER FIGURES: torch.compile'd code in the block ran eagerly under tracking (see the notes)",
@@ -134,6 +163,8 @@ class MemoryResult:
     #: How torch.compile'd code in the block ran: "compiled" (measured as it runs), "eager" (it ran its eager
     #: Python under tracking: the figures are not the compiled code's), "unknown", or None (none ran).
     compiled: str | None = None
+    #: Memory by line of the user's code, most held at the peak first (when asked for: ``lines=True``).
+    lines: tuple[LineUsage, ...] | None = None
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "MemoryResult":
@@ -156,6 +187,8 @@ class MemoryResult:
                 for key, value in values["breakdown"].items()
             }
             values["breakdown"] = Breakdown(**breakdown)
+        if values.get("lines"):
+            values["lines"] = tuple(LineUsage(**line) for line in values["lines"])
         return cls(**values)
 
     @property
@@ -255,6 +288,9 @@ class MemoryResult:
             rows += self.breakdown.rows()
         width = max(len(name) for name, _ in rows)
         lines = [head] + [f"  {name:<{width}}  {text}" for name, text in rows]
+        if self.lines is not None:
+            lines.append("  by line of your code (bytes it made that were alive at the peak; all it made):")
+            lines += [f"    {row}" for row in lines_table(self.lines)]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -339,6 +375,18 @@ def report_html(result: MemoryResult, *, breakdown: bool = False) -> str:
     if result.compiled in COMPILED_WARNING:
         failed += f"<div style='color:#b00020'>{html.escape(COMPILED_WARNING[result.compiled])}</div>"
     notes = "".join(f"<div><i>note:</i> {html.escape(note)}</div>" for note in result.notes)
+    if result.lines is not None:
+        cells = "".join(
+            f"<tr><td style='text-align:left'>{html.escape(line.where)}</td><td>{format_bytes(line.at_peak)}</td>"
+            f"<td>{format_bytes(line.allocated)}</td><td style='text-align:left'><code>{html.escape(line.source[:80])}"
+            "</code></td></tr>"
+            for line in result.lines[:12]
+        )
+        notes = (
+            "<div style='margin-top:6px'><b>by line of your code</b></div><table class='nbmem-lines' "
+            "style='font-size:12px'><tr><th>line</th><th>at the peak</th><th>allocated</th><th>code</th></tr>"
+            f"{cells}</table>{notes}"
+        )
     scale = "" if result.capacity else " (no device capacity known: bar scaled to the peak)"
     return (
         f'<div class="nbmem-report" style="font-family:sans-serif;font-size:13px;max-width:48em">'

@@ -163,6 +163,7 @@ class GpuMemMagics(Magics):
         "it shows only in a frontend someone watches, such as JupyterLab",
     )
     @argument("--timeline", action="store_true", help="also plot live memory op by op, stacked by category, the peak named")
+    @argument("--lines", action="store_true", help="also show which lines of your code made the memory alive at the peak")
     @argument("--free-on-oom", action="store_true", help="after an out-of-memory error, release the failed cell's frames at once (%%debug is then unavailable)")
     @argument("--breakdown", action="store_true", help="also show what the memory at the peak was for: by category and module")
     @argument(
@@ -191,7 +192,7 @@ class GpuMemMagics(Magics):
 
         Usage, on a cell::
 
-          %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--capacity SIZE_OR_PRESET]
+          %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--lines] [--capacity SIZE_OR_PRESET]
                    [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}] [--engine {auto,dispatch,native}]
 
         and as a line::
@@ -248,7 +249,10 @@ class GpuMemMagics(Magics):
         out-of-memory error the report explains it: the largest live tensors
         and what would help, with estimated savings; ``--free-on-oom`` then
         releases the failed cell's frames at once (``%debug`` can no longer
-        inspect them). ``--timeline`` plots live memory op by op.
+        inspect them). ``--timeline`` plots live memory op by op. ``--lines`` adds a
+        table of the cell's lines (and those of your functions it calls): the bytes
+        each made that were alive at the peak, and all it made; backward's go to
+        the ``loss.backward()`` line, the optimizer's to ``step()``.
 
         Examples::
 
@@ -295,6 +299,7 @@ class GpuMemMagics(Magics):
             breakdown=args.breakdown,
             capacity=args.capacity,
             timeline=args.timeline,
+            lines=args.lines,
             engine=args.engine,
             expect_compiled=args.engine == "auto" and _expects_compiled(body, last, namespace),
         )

@@ -68,7 +68,7 @@ def read_options(parser: argparse.ArgumentParser, line: str, cell: str | None) -
 
             parse_capacity(args.capacity)
         if args.engine == "native" and (cell is not None or args.action == "on"):
-            native_engine(*resolved, args.capacity, args.timeline)  # builds the library once
+            native_engine(*resolved, args.capacity, args.timeline, getattr(args, "lines", False))  # builds the library once
     except (ValueError, RuntimeError) as error:  # RuntimeError: NativeUnavailable, saying why
         raise UsageError(str(error)) from None
     return args

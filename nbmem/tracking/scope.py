@@ -20,6 +20,7 @@ import torch
 
 from . import compiled
 from .counters import CudaCounter, OpenScope, cuda_counter
+from .lines import LineCounter, start_lines, stop_lines, usage as line_usage
 from ..core.results import CATEGORIES, Breakdown, MemoryResult
 from ..core.units import format_bytes
 from .timeline import op_name
@@ -129,6 +130,7 @@ class MemoryScope:
         timeline: bool = False,
         engine: Engine = "auto",
         expect_compiled: bool = False,
+        lines: bool = False,
     ) -> None:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r}: use one of {', '.join(ENGINES)}")
@@ -138,10 +140,12 @@ class MemoryScope:
         #: the engine chose itself ("auto") because the block will run compiled code
         self.chose_native = False
         if engine == "auto":
-            self.chose_native = _native_for_compiled(self.mode, self.device, tracker, capacity, timeline, expect_compiled)
+            self.chose_native = _native_for_compiled(
+                self.mode, self.device, tracker, capacity, timeline or lines, expect_compiled
+            )
             engine = "native" if self.chose_native else "dispatch"
         if engine == "native" and tracker is None:
-            tracker = native_engine(self.mode, self.device, capacity, timeline)
+            tracker = native_engine(self.mode, self.device, capacity, timeline, lines)
         self.engine = "native" if tracker is not None and not isinstance(tracker, Tracker) else "dispatch"
         self.label = label
         self.execution_count = execution_count
@@ -163,9 +167,13 @@ class MemoryScope:
         self._tracker: Any = (
             self._counter
             if not isinstance(self._counter, CudaCounter)
-            else (default_tracker(self.device) if breakdown or timeline or capacity is not None else None)
+            else (default_tracker(self.device) if breakdown or timeline or lines or capacity is not None else None)
         )
         self._timeline = timeline
+        self._want_lines = lines
+        self._lines: LineCounter | None = None  # the tracker's, while this scope wants lines
+        self._lines_from: dict[Any, int] = {}
+        self._lines_stopped = False
         self._show_breakdown = breakdown
         self._recording: Recording | None = None
         self._scope: OpenScope | None = None
@@ -223,6 +231,9 @@ class MemoryScope:
                     self._tracker_scope = self._scope
                 if self._timeline:
                     self._recording = tracker.start_recording()
+                if self._want_lines:
+                    self._lines = start_lines(tracker)
+                    self._lines_from = dict(self._lines.allocated)
                 if self.capacity is not None:
                     self._saved_capacity = (tracker.capacity, tracker.capacity_label)
                     self._capacity_set = True
@@ -251,6 +262,9 @@ class MemoryScope:
         if tracker is not None:
             if self._recording is not None:
                 tracker.stop_recording(self._recording)
+            if self._lines is not None and tracker._lines is self._lines and not self._lines_stopped:
+                self._lines_stopped = True
+                stop_lines(tracker, self._lines)
             if open_before is not None and tracker is not counter:
                 tracker.scopes.close_above(open_before[1])
             if self._capacity_set:
@@ -342,6 +356,11 @@ class MemoryScope:
         if error is not None and not isinstance(error, type):
             error = type(error)
         breakdown = _breakdown(tracker_scope, tracker) if tracker is not None and tracker_scope is not None else None
+        by_line = None
+        if self._lines is not None and tracker_scope is not None:
+            detail = tracker_scope.peak_detail
+            at_peak = detail.lines if detail is not None and detail.lines is not None else self._lines.snapshot()
+            by_line = line_usage(at_peak, self._lines.allocated, self._lines_from)
         timeline = None
         if tracker is not None and self._recording is not None:
             from .timeline import build_timeline
@@ -380,6 +399,7 @@ class MemoryScope:
             timeline=timeline,
             show_breakdown=self._show_breakdown,
             compiled=ran_as,
+            lines=by_line,
         )
 
     def _runs_a_dispatch_mode(self) -> bool:
@@ -443,12 +463,12 @@ def _native_for_compiled(mode: str, device: torch.device, tracker: Any, capacity
     return available()
 
 
-def native_engine(mode: str, device: torch.device, capacity: Any, timeline: bool) -> Any:
+def native_engine(mode: str, device: torch.device, capacity: Any, timeline: bool, lines: bool = False) -> Any:
     """The native engine's tracker, or a ValueError saying which request it can't serve."""
     if mode != "tracked" or device.type != "cpu":
         raise ValueError(f"engine 'native' tracks the cpu, not {device} ({mode}): drop engine or use backend='tracked', device='cpu'")
-    if capacity is not None or timeline:
-        wants = "a virtual capacity" if capacity is not None else "a timeline"
+    if capacity is not None or timeline or lines:
+        wants = "a virtual capacity" if capacity is not None else "a timeline" if timeline else "lines"
         raise ValueError(f"{wants} needs every op, which only engine 'dispatch' (the default) sees: drop engine='native'")
     from .native_tracking import native_tracker
 
@@ -490,6 +510,7 @@ def measure(
     capacity: int | str | None = None,
     timeline: bool = False,
     engine: Engine = "auto",
+    lines: bool = False,
 ) -> MemoryScope:
     """Measure a block: on CUDA with the allocator's statistics, else tracked.
 
@@ -505,7 +526,7 @@ def measure(
     1024
     """
     return MemoryScope(backend, device, label=label, breakdown=breakdown, capacity=capacity, timeline=timeline, engine=engine,
-                       expect_compiled=engine == "auto" and _caller_expects_compiled())
+                       expect_compiled=engine == "auto" and _caller_expects_compiled(), lines=lines)
 
 
 def track(
@@ -514,6 +535,7 @@ def track(
     label: str = "",
     capacity: int | str | None = None,
     engine: Engine = "auto",
+    lines: bool = False,
 ) -> MemoryScope:
     """Track a block: every tensor storage on ``device`` is accounted, CUDA or not.
 
@@ -539,7 +561,7 @@ def track(
     True
     """
     return MemoryScope("tracked", device, label=label, capacity=capacity, engine=engine,
-                       expect_compiled=engine == "auto" and _caller_expects_compiled())
+                       expect_compiled=engine == "auto" and _caller_expects_compiled(), lines=lines)
 
 
 def _caller_expects_compiled() -> bool:

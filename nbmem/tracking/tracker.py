@@ -40,6 +40,7 @@ from .dispatch import TrackingMode, skip_dynamo
 from ..core.records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _device_test, _parts, _PLAIN,
                       _virtual_device_is_full, _wraps, rebuild_counters)
 from .installed import Activation, remove_dispatch_modes, remove_every_tracker, unwatch_resizes, watch_resizes
+from .lines import LineCounter
 from .live import walk
 from ..core.results import CATEGORIES
 from ..core.units import CUDA_BLOCK, round_allocation
@@ -122,6 +123,7 @@ class Tracker(Activation):
         self._op_index = 0
         self._op: Any = None
         self._recordings: list[Recording] = []
+        self._lines: LineCounter | None = None  # live and allocated bytes per user line, when asked for
         self._mode: TrackingMode | None = None
         #: A fake mode that reports every op to this tracker while it is active, in place of a TrackingMode
         #: (``FastKeyFakeTensorMode.carry``): set by an estimate before the tracker is first activated.
@@ -178,7 +180,8 @@ class Tracker(Activation):
         """Take the peak's breakdown now if live memory is still at the peak (before it changes)."""
         if self._peak_detail is None:
             index, op, module = self._peak_op
-            self._peak_detail = PeakDetail(index, op, module, dict(self._categories), dict(self._modules))
+            lines = self._lines.snapshot() if self._lines is not None else None
+            self._peak_detail = PeakDetail(index, op, module, dict(self._categories), dict(self._modules), lines)
 
     # -- what is live now ---------------------------------------------------
 
@@ -319,6 +322,8 @@ class Tracker(Activation):
             self._allocated, self._categories, self._modules = allocated, categories, modules
             self._peak = max(self._peak, allocated)
             self._peak_detail = None
+        if self._lines is not None:
+            self._lines.rebuild(self._storages.values())
         self._unfinished = 0  # last: a reconcile cut short is done again at the next look
 
     def current_module(self) -> str | None:
@@ -466,6 +471,8 @@ class Tracker(Activation):
         # one line, no call between the two stores: no line event (a trace function's) and no signal
         # (handled on calls and backward jumps, CPython's eval breaker) parts a record from its weak reference
         self._storages[key], self._refs[key] = record, ref
+        if self._lines is not None:
+            self._lines.made(record, adopt)
         if self.simulator is not None:
             self.simulator.malloc(key, size)
         self._categories["other"] += size
@@ -499,6 +506,8 @@ class Tracker(Activation):
         self._categories[record.category] += size - record.size
         self._modules[record.module] += size - record.size
         growth, record.size = size - record.size, size
+        if self._lines is not None:
+            self._lines.resized(record, growth)
         if self.simulator is not None:
             self.simulator.free(key)
             if size:
@@ -533,6 +542,8 @@ class Tracker(Activation):
                 self._allocated -= record.size
                 self._categories[record.category] -= record.size
                 self._modules[record.module] -= record.size
+                if self._lines is not None:
+                    self._lines.freed(record)
             self._unfinished -= 1
 
     def drain(self) -> None:

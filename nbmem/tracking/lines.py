@@ -1,0 +1,167 @@
+"""Which line of the user's code holds the memory: storages charged to the innermost frame that is the user's.
+
+While a scope asks for lines (``nbmem.track(lines=True)``, ``%%gpumem --lines``), the
+dispatch engine's tracker tells a :class:`LineCounter` of every storage it counts: a new
+one is charged to the innermost frame on the stack that is the user's (a cell, a
+script, a file of theirs: not PyTorch, nbmem, the standard library or anything
+installed in site-packages), so backward's allocations go to the ``loss.backward()``
+line and the optimizer's to ``optimizer.step()``; a storage that existed before
+goes to ``None`` (alive before the block). The counter keeps live bytes per line
+(taken into the breakdown at each peak, as categories are) and bytes allocated per line.
+
+A stack walk per new storage, with each code object's verdict cached; nothing per op.
+
+>>> counter = LineCounter()
+>>> def made_here():
+...     return counter.line_now()
+>>> made_here()[1] == made_here.__code__.co_firstlineno + 1   # the doctest's own line is the user's
+True
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+import sysconfig
+from types import CodeType
+from typing import Any, Iterable
+
+import torch
+
+from ..core.results import LineUsage
+
+__all__ = ["LineCounter", "Line", "describe", "usage", "start_lines", "stop_lines"]
+
+#: A line of the user's code: (file name, line number); None for storages alive before the block.
+Line = "tuple[str, int] | None"
+
+_NBMEM = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_NOT_THE_USERS = tuple(
+    {_NBMEM, _TORCH}
+    | {path + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_paths().get(key))}
+)
+
+#: code object -> whether its frames are the user's
+_VERDICTS: dict[CodeType, bool] = {}
+
+
+def _is_users(code: CodeType) -> bool:
+    verdict = _VERDICTS.get(code)
+    if verdict is None:
+        name = code.co_filename
+        verdict = not (
+            name.startswith(_NOT_THE_USERS)
+            or name.startswith("<frozen")
+            or "site-packages" in name
+            or "dist-packages" in name
+        )
+        _VERDICTS[code] = verdict
+    return verdict
+
+
+class LineCounter:
+    """Live and allocated bytes per line of the user's code, for one tracker while lines are asked for."""
+
+    def __init__(self, live_before: int = 0) -> None:
+        #: live bytes per line now; ``None``: storages alive before the lines were asked for
+        self.live: dict[Any, int] = {None: live_before} if live_before else {}
+        #: bytes allocated per line (never goes down)
+        self.allocated: dict[Any, int] = {}
+        self.users = 1  # scopes that asked for lines (nested scopes share one counter)
+
+    @staticmethod
+    def line_now() -> tuple[str, int] | None:
+        """The innermost frame of the user's code on this thread's stack, or None (all PyTorch's or nbmem's)."""
+        frame = sys._getframe(1)
+        while frame is not None and not _is_users(frame.f_code):
+            frame = frame.f_back  # type: ignore[assignment]
+        return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+
+    def made(self, record: Any, adopted: bool) -> None:
+        """A storage counted: charged to the user's line running now (None when it existed before)."""
+        line = None if adopted else self.line_now()
+        record.line = line
+        self.live[line] = self.live.get(line, 0) + record.size
+        if not adopted:
+            self.allocated[line] = self.allocated.get(line, 0) + record.size
+
+    def resized(self, record: Any, growth: int) -> None:
+        line = getattr(record, "line", None)
+        self.live[line] = self.live.get(line, 0) + growth
+        if growth > 0:
+            self.allocated[line] = self.allocated.get(line, 0) + growth
+
+    def freed(self, record: Any) -> None:
+        line = getattr(record, "line", None)
+        self.live[line] = self.live.get(line, 0) - record.size
+
+    def snapshot(self) -> dict[Any, int]:
+        return {line: size for line, size in self.live.items() if size}
+
+    def rebuild(self, records: Iterable[Any]) -> None:
+        """Live bytes from the records themselves (after Ctrl-C cut an update short)."""
+        live: dict[Any, int] = {}
+        for record in records:
+            line = getattr(record, "line", None)
+            live[line] = live.get(line, 0) + record.size
+        self.live = live
+
+
+def start_lines(tracker: Any) -> LineCounter:
+    """Have ``tracker`` (the dispatch engine's) charge every storage it counts from now on to the user's line.
+
+    Nested scopes share one counter; each :func:`stop_lines` once for its start.
+    """
+    tracker.drain()
+    counter: LineCounter | None = tracker._lines
+    if counter is None:
+        tracker._settle_peak()  # a peak already reached is one without lines
+        counter = tracker._lines = LineCounter(tracker._allocated)
+    else:
+        counter.users += 1
+    return counter
+
+
+def stop_lines(tracker: Any, counter: LineCounter) -> None:
+    """One scope less wants lines; the last one's end stops them."""
+    if tracker._lines is counter:
+        counter.users -= 1
+        if counter.users <= 0:
+            tracker._lines = None
+
+
+def _cell_numbers() -> dict[str, int]:
+    """IPython's cell file names -> execution counts, if IPython runs here (never imported for it)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return dict(getattr(getattr(shell, "compile", None), "_filename_map", None) or {})
+
+
+def describe(line: Any, cells: dict[str, int] | None = None) -> tuple[str, str]:
+    """(where, source) of a line for a table: ``"cell [3], line 2"`` or ``"train.py:14"``, and its code.
+
+    >>> describe(None)
+    ('(alive before)', '')
+    >>> describe(("/tmp/ipykernel_1/123.py", 2), {"/tmp/ipykernel_1/123.py": 3})
+    ('cell [3], line 2', '')
+    """
+    if line is None:
+        return "(alive before)", ""
+    filename, number = line
+    source = linecache.getline(filename, number).strip()
+    cell = (cells or {}).get(filename)
+    where = f"cell [{cell}], line {number}" if cell is not None else f"{os.path.basename(filename)}:{number}"
+    return where, source
+
+
+def usage(at_peak: dict[Any, int], allocated_now: dict[Any, int], allocated_before: dict[Any, int]) -> tuple[LineUsage, ...]:
+    """A scope's lines: bytes alive at its peak by line, and bytes each line allocated since the scope began."""
+    allocated = {line: size - allocated_before.get(line, 0) for line, size in allocated_now.items()}
+    cells = _cell_numbers()
+    rows = []
+    for line in set(at_peak) | {line for line, size in allocated.items() if size}:
+        where, source = describe(line, cells)
+        rows.append(LineUsage(where, source, at_peak.get(line, 0), allocated.get(line, 0)))
+    return tuple(sorted(rows, key=lambda row: (-row.at_peak, -row.allocated, row.where)))
