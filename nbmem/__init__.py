@@ -46,6 +46,8 @@ __all__ = [
     "format_bytes",
     "parse_bytes",
     "profile_notebook",
+    "load_snapshot",
+    "Snapshot",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
@@ -78,6 +80,8 @@ _LAZY = {
     "format_bytes": "core.units",
     "parse_bytes": "core.units",
     "profile_notebook": "frontend.profiling",
+    "load_snapshot": "core.snapshot",
+    "Snapshot": "core.snapshot",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,6 +104,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .estimation.userstep import estimating
     from .core.units import format_bytes, parse_bytes
     from .frontend.profiling import profile_notebook
+    from .core.snapshot import Snapshot, load_snapshot
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,304 @@
+"""PyTorch's memory snapshots read back: ``torch.cuda.memory._snapshot()`` pickles, as pytorch.org/memory_viz loads them.
+
+A snapshot is plain data (torch 2.x): ``{"segments": [...], "device_traces":
+[[...], ...]}``, newer ones with ``allocator_settings`` and
+``external_annotations``. A segment is one cudaMalloc (or, with expandable
+segments, one mapped range): ``address``, ``total_size``, ``allocated_size``,
+``segment_type`` ("small"/"large"), ``is_expandable`` and its ``blocks``
+(``address``, ``size``, ``requested_size``, ``state``: active_allocated,
+active_pending_free, inactive; ``frames``). A trace entry records one allocator
+event since ``torch.cuda.memory._record_memory_history()``: ``action`` (alloc,
+free_requested, free_completed, segment_alloc, segment_free, segment_map,
+segment_unmap, oom, snapshot), ``addr``, ``size`` (bytes asked for; a
+block is that rounded up to 512 B, or more where the rest was too small to split),
+``stream``, ``time_us`` and ``frames`` (``filename``, ``line``, ``name``;
+C++ frames too).
+
+:func:`load_snapshot` reads one with an unpickler that builds nothing but
+dicts, lists, strings and numbers (a pickle can run code: this one can't),
+checks its shape, and gives a :class:`Snapshot`: the trace's figures as a
+:class:`~nbmem.MemoryResult` (``measured``, by the real allocator), the blocks
+alive with the line of Python that made each, what they were for where the
+frames tell, fragmentation, the out-of-memory error the trace ends with, and
+:meth:`Snapshot.replay` through nbmem's allocator simulation, compared
+segment for segment with the real one.
+
+>>> import io, pickle
+>>> data = {"segments": [], "device_traces": [[
+...     {"action": "segment_alloc", "addr": 0, "size": 2097152, "stream": 0, "time_us": 0, "frames": []},
+...     {"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 5, "frames": []},
+...     {"action": "free_completed", "addr": 0, "size": 512, "stream": 0, "time_us": 9, "frames": []}]]}
+>>> snapshot = load_snapshot(io.BytesIO(pickle.dumps(data)))
+>>> snapshot.result().peak, snapshot.peak_reserved
+(512, 2097152)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from dataclasses import dataclass
+from typing import IO, Any
+
+from .allocator import CachingAllocatorSimulation
+from .results import MemoryResult
+from .units import format_bytes, round_allocation
+
+__all__ = ["load_snapshot", "Snapshot", "SnapshotBlock", "Replay", "SnapshotError"]
+
+_PLAIN = (dict, list, str, int, float, bool, type(None))
+
+
+class SnapshotError(ValueError):
+    """The file is no memory snapshot nbmem can read; the message says what it is instead and what to do."""
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Builds only the plain types a snapshot holds: any class or function named in the pickle is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise SnapshotError(
+            f"this pickle names {module}.{name}, and a memory snapshot holds only dicts, lists, strings and numbers: "
+            "it is not one torch.cuda.memory._snapshot() wrote (nbmem builds no object a pickle names, so a "
+            "pickle from an untrusted source can run no code here)"
+        )
+
+
+@dataclass(frozen=True)
+class SnapshotBlock:
+    """A block alive when the snapshot was taken: its address and bytes, what made it, and what it was for."""
+
+    address: int
+    size: int
+    where: str  # the innermost Python frame that is not PyTorch's: "train.py:14 in step", or "(no Python frame)"
+    category: str
+
+
+@dataclass(frozen=True)
+class Replay:
+    """The trace run through nbmem's allocator simulation, beside what the real allocator reserved."""
+
+    real_segments: int
+    simulated_segments: int
+    real_reserved: int
+    simulated_reserved: int
+    real_peak_reserved: int
+    simulated_peak_reserved: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def exact(self) -> bool:
+        """Whether the simulation reserved the same segments, in count and bytes, now and at the peak."""
+        return (self.real_segments, self.real_reserved, self.real_peak_reserved) == (
+            self.simulated_segments, self.simulated_reserved, self.simulated_peak_reserved
+        )
+
+    def __str__(self) -> str:
+        verdict = "the same" if self.exact else "different"
+        return (
+            f"replay through nbmem's allocator simulation: {verdict}\n"
+            f"  segments now   real {self.real_segments}, simulated {self.simulated_segments}\n"
+            f"  reserved now   real {format_bytes(self.real_reserved)}, simulated {format_bytes(self.simulated_reserved)}\n"
+            f"  reserved peak  real {format_bytes(self.real_peak_reserved)}, simulated {format_bytes(self.simulated_peak_reserved)}"
+            + "".join(f"\n  note: {note}" for note in self.notes)
+        )
+
+
+def load_snapshot(source: str | os.PathLike[str] | IO[bytes], device: int | None = None) -> "Snapshot":
+    """Read a ``torch.cuda.memory._snapshot()`` pickle (a path or a binary file); ``device``: which device's trace.
+
+    The default device is the one whose trace has events (the first, if several do).
+    Nothing the pickle names is built (a pickle can run code; this one can't):
+    a file that is not a snapshot, or is cut short, raises :class:`SnapshotError`
+    saying what it is.
+
+    >>> import io, pickle
+    >>> load_snapshot(io.BytesIO(pickle.dumps([1, 2])))
+    Traceback (most recent call last):
+    ...
+    nbmem.core.snapshot.SnapshotError: snapshot holds list, not a memory snapshot (a dict with 'segments' and 'device_traces', as torch.cuda.memory._snapshot() returns): record one with torch.cuda.memory._record_memory_history() and torch.cuda.memory._dump_snapshot(path)
+    """
+    name = "snapshot"
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            name = os.path.basename(os.fspath(source))
+            with open(source, "rb") as file:
+                data = _PlainUnpickler(io.BytesIO(file.read())).load()
+        else:
+            data = _PlainUnpickler(source).load()
+    except SnapshotError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError) as error:
+        raise SnapshotError(
+            f"{name} can't be read as a pickle ({type(error).__name__}: {error}): a truncated file, or not a snapshot. "
+            "Write one on the GPU with torch.cuda.memory._dump_snapshot('file.pickle') after "
+            "torch.cuda.memory._record_memory_history()"
+        ) from None
+    if not isinstance(data, dict) or not isinstance(data.get("segments"), list) or not isinstance(data.get("device_traces"), list):
+        kind = type(data).__name__ if not isinstance(data, dict) else f"a dict with keys {sorted(map(str, data))[:6]}"
+        raise SnapshotError(
+            f"{name} holds {kind}, not a memory snapshot (a dict with 'segments' and 'device_traces', as "
+            "torch.cuda.memory._snapshot() returns): record one with torch.cuda.memory._record_memory_history() "
+            "and torch.cuda.memory._dump_snapshot(path)"
+        )
+    traces = data["device_traces"]
+    if device is None:
+        device = next((index for index, trace in enumerate(traces) if trace), 0)
+    trace = traces[device] if device < len(traces) else []
+    segments = [segment for segment in data["segments"] if segment.get("device", device) == device]
+    if not trace and not segments:
+        raise SnapshotError(
+            f"{name} has neither segments nor allocator events on device {device}: nothing was recorded (was "
+            "torch.cuda.memory._record_memory_history() called before the work, on this device?)"
+        )
+    return Snapshot(name, device, segments, trace, dict(data.get("allocator_settings") or {}))
+
+
+def _where(frames: list[dict[str, Any]]) -> str:
+    """The innermost Python frame outside PyTorch (a snapshot lists C++ frames too, innermost first)."""
+    for frame in frames:
+        filename = str(frame.get("filename", ""))
+        python = filename.endswith(".py") or (filename.startswith("<") and int(frame.get("line", 0) or 0) > 0)
+        if python and "/torch/" not in filename and "site-packages" not in filename:
+            return f"{os.path.basename(filename)}:{frame.get('line', 0)} in {frame.get('name', '?')}"
+    return "(no Python frame)"
+
+
+def _category(frames: list[dict[str, Any]]) -> str:
+    """What a block was for, where its frames say it; "unknown" otherwise (never guessed)."""
+    names = [(str(frame.get("filename", "")), str(frame.get("name", ""))) for frame in frames]
+    if any("/torch/optim/" in filename for filename, _ in names):
+        return "optimizer state"
+    if any("backward" in name.lower() or "/torch/autograd/" in filename for filename, name in names):
+        return "backward"
+    return "unknown"
+
+
+class Snapshot:
+    """One device's part of a memory snapshot: figures, blocks, fragmentation, its out-of-memory error, a replay.
+
+    Made by :func:`load_snapshot`. ``result()`` is the trace as a
+    :class:`~nbmem.MemoryResult` (measured: the real allocator's figures from
+    the start of recording to the snapshot); ``blocks()`` the blocks alive,
+    largest first, with the line of Python that made each and what it was for
+    where its frames tell (``by_category()`` sums them); ``fragmentation()``
+    what is reserved but free; ``oom`` the out-of-memory event the trace ends
+    with (None if none); ``replay()`` the trace through nbmem's allocator
+    simulation. ``print(snapshot)`` shows it all.
+
+    Example, with a pickle written on a GPU::
+
+        torch.cuda.memory._record_memory_history()
+        train_step()
+        torch.cuda.memory._dump_snapshot("step.pickle")
+
+        snapshot = nbmem.load_snapshot("step.pickle")
+        print(snapshot)                     # figures, largest blocks, fragmentation
+        print(snapshot.replay())            # the simulation against the real segments
+    """
+
+    def __init__(self, name: str, device: int, segments: list[dict[str, Any]], trace: list[dict[str, Any]],
+                 settings: dict[str, Any]) -> None:
+        self.name, self.device, self.settings = name, device, settings
+        self._segments, self._trace = segments, trace
+        self.reserved = sum(int(segment.get("total_size", 0)) for segment in segments)
+        self.allocated = sum(int(segment.get("allocated_size", 0)) for segment in segments)
+        allocated = reserved = peak_allocated = peak_reserved = 0
+        born: set[int] = set()
+        for entry in trace:
+            # an alloc's size is what was asked for; the allocator's block is that rounded up to 512 B
+            action, size = entry.get("action"), round_allocation(int(entry.get("size", 0)))
+            if action == "alloc":
+                allocated += size
+                born.add(entry.get("addr", 0))
+            elif action == "free_completed":
+                allocated -= size
+            elif action in ("segment_alloc", "segment_map"):
+                reserved += size
+            elif action in ("segment_free", "segment_unmap"):
+                reserved -= size
+            peak_allocated, peak_reserved = max(peak_allocated, allocated), max(peak_reserved, reserved)
+        # what the trace's events don't explain was there before recording began
+        self.allocated_at_start = self.allocated - allocated if segments else 0
+        self.reserved_at_start = self.reserved - reserved if segments else 0
+        self.peak_allocated = self.allocated_at_start + peak_allocated
+        self.peak_reserved = self.reserved_at_start + peak_reserved
+        self._born = born
+        ooms = [entry for entry in trace if entry.get("action") == "oom"]
+        self.oom: dict[str, Any] | None = ooms[-1] if ooms else None
+
+    def blocks(self) -> list[SnapshotBlock]:
+        """The blocks alive at the snapshot, largest first; those made before recording began say so."""
+        found = []
+        for segment in self._segments:
+            for block in segment.get("blocks", []):
+                if block.get("state") == "active_allocated":
+                    frames = block.get("frames") or []
+                    category = _category(frames) if block.get("address") in self._born else "before the trace"
+                    found.append(SnapshotBlock(int(block.get("address", 0)), int(block.get("size", 0)), _where(frames), category))
+        return sorted(found, key=lambda block: -block.size)
+
+    def by_category(self) -> dict[str, int]:
+        """Bytes alive at the snapshot by what they were for, as far as the frames tell."""
+        totals: dict[str, int] = {}
+        for block in self.blocks():
+            totals[block.category] = totals.get(block.category, 0) + block.size
+        return totals
+
+    def fragmentation(self) -> dict[str, int]:
+        """Reserved but not allocated at the snapshot: its bytes, free blocks, and the largest one."""
+        free = [int(block.get("size", 0)) for segment in self._segments for block in segment.get("blocks", [])
+                if block.get("state") == "inactive"]
+        return {"cached_bytes": self.reserved - self.allocated, "free_blocks": len(free), "largest_free_block": max(free, default=0)}
+
+    def result(self) -> MemoryResult:
+        """The trace's figures as a result: measured by the real allocator, from the start of recording to the snapshot."""
+        times = [entry["time_us"] for entry in self._trace if isinstance(entry.get("time_us"), (int, float))]
+        notes = [f"read from {self.name}, a torch.cuda.memory._snapshot() of cuda:{self.device}: figures from its "
+                 "allocator events, \"before\" is what was allocated when recording began"]
+        if self.oom is not None:
+            notes.append(
+                f"the trace ends in an out-of-memory error: {format_bytes(int(self.oom.get('size', 0)))} asked for with "
+                f"{format_bytes(int(self.oom.get('device_free', 0)))} free on the device ({_where(self.oom.get('frames') or [])})"
+            )
+        return MemoryResult(
+            mode="measured", device=f"cuda:{self.device}", allocated_before=self.allocated_at_start,
+            peak_allocated=self.peak_allocated, allocated_after=self.allocated, seconds=(max(times) - min(times)) / 1e6 if times else 0.0,
+            reserved_before=self.reserved_at_start, peak_reserved=self.peak_reserved, reserved_after=self.reserved,
+            error="OutOfMemoryError" if self.oom is not None else None, label=self.name, notes=tuple(notes),
+        )
+
+    def replay(self) -> Replay:
+        """Run the trace's allocations and frees through :class:`~nbmem.core.allocator.CachingAllocatorSimulation`."""
+        notes = []
+        if self.allocated_at_start:
+            notes.append(f"{format_bytes(self.allocated_at_start)} was allocated before recording began: not replayed")
+        if self.settings.get("expandable_segments") or any(segment.get("is_expandable") for segment in self._segments):
+            notes.append("expandable segments: the simulation models fixed cudaMalloc segments only, so they differ")
+        simulation = CachingAllocatorSimulation()
+        for entry in self._trace:
+            action = entry.get("action")
+            if action == "alloc":
+                simulation.malloc(entry.get("addr"), round_allocation(int(entry.get("size", 0))))
+            elif action == "free_completed":
+                simulation.free(entry.get("addr"))
+            elif action in ("segment_free", "segment_unmap"):
+                simulation._release_free_segments()  # emptied cache (empty_cache, or an OOM's retry): the real one gave back
+        return Replay(
+            real_segments=len(self._segments), simulated_segments=len(simulation._segments),
+            real_reserved=self.reserved, simulated_reserved=simulation.reserved,
+            real_peak_reserved=self.peak_reserved, simulated_peak_reserved=simulation.peak_reserved, notes=tuple(notes),
+        )
+
+    def __str__(self) -> str:
+        lines = [str(self.result())]
+        lines.append("  blocks alive at the snapshot, largest first:")
+        lines += [f"    {format_bytes(block.size):>10}  {block.category:<17} {block.where}" for block in self.blocks()[:8]]
+        spare = self.fragmentation()
+        lines.append(f"  cached, not allocated: {format_bytes(spare['cached_bytes'])} in {spare['free_blocks']} free blocks, "
+                     f"the largest {format_bytes(spare['largest_free_block'])}")
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))

@@ -1,0 +1,126 @@
+"""Reading PyTorch's memory snapshots (issue 26): real H100 pickles, replay, and bad input.
+
+The four pickles in benchmarks/results/2026-11-25-gpu/ were written on an NVIDIA
+H100 (torch 2.11.0+cu130) by benchmarks/gpu_probes.py, which printed
+``torch.cuda.max_memory_allocated()`` and ``max_memory_reserved()`` beside each
+(probes-run1.json): those are the figures a loaded snapshot must give.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+
+import nbmem
+from nbmem.core.snapshot import SnapshotError, load_snapshot
+
+SNAPSHOTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "2026-11-25-gpu"
+
+# file: (max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved) printed on the H100
+TRUTH = {
+    "mlp": (236_032_512, 247_463_936, 168_882_176, 247_463_936),
+    "cnn": (110_753_280, 132_120_576, 68_410_880, 132_120_576),
+    "mlp-expandable": (236_032_512, 262_144_000, 168_882_176, 262_144_000),
+    "oom": (2_081_522_688, 2_082_471_936, 739_344_384, 2_082_471_936),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRUTH))
+def test_a_real_snapshot_gives_the_allocators_own_figures(name):
+    snapshot = nbmem.load_snapshot(SNAPSHOTS / f"snapshot-{name}.pickle")
+    result = snapshot.result()
+    assert (result.peak_allocated, result.peak_reserved, result.allocated_after, result.reserved_after) == TRUTH[name]
+    assert result.allocated_before == 0  # recording began before the first allocation
+    assert result.mode == "measured" and result.device == "cuda:0"
+    assert sum(snapshot.by_category().values()) == result.allocated_after
+    assert sum(block.size for block in snapshot.blocks()) == result.allocated_after
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "oom"])
+def test_replaying_a_real_trace_through_the_simulation_reserves_the_same_segments(name):
+    replay = load_snapshot(SNAPSHOTS / f"snapshot-{name}.pickle").replay()
+    assert replay.exact, str(replay)
+    assert replay.simulated_peak_reserved == TRUTH[name][1]
+
+
+def test_expandable_segments_are_said_to_differ():
+    replay = load_snapshot(SNAPSHOTS / "snapshot-mlp-expandable.pickle").replay()
+    assert not replay.exact
+    assert (replay.real_segments, replay.simulated_segments) == (2, 16)
+    assert any("expandable segments" in note for note in replay.notes)
+
+
+def test_an_out_of_memory_trace_is_a_failed_result_that_says_what_was_asked():
+    snapshot = load_snapshot(SNAPSHOTS / "snapshot-oom.pickle")
+    result = snapshot.result()
+    assert result.error == "OutOfMemoryError"
+    assert snapshot.oom["size"] == 256 * 1024**2
+    assert any("256 MiB asked for" in note for note in result.notes)
+    text = str(snapshot)
+    assert "blocks alive at the snapshot" in text and "<string>:13 in <module>" in text
+
+
+def test_frames_tell_the_optimizers_state_and_backwards_blocks():
+    snapshot = load_snapshot(SNAPSHOTS / "snapshot-mlp.pickle")
+    categories = snapshot.by_category()
+    # what torch/optim's frames made (AdamW's exp_avg and exp_avg_sq), and backward's thread: cuBLAS's workspace
+    assert categories["optimizer state"] == 67_149_824
+    assert categories["backward"] == 32 * 1024**2
+    assert set(categories) <= {"optimizer state", "backward", "unknown", "before the trace"}
+
+
+def synthetic(trace, segments=()):
+    return io.BytesIO(pickle.dumps({"segments": list(segments), "device_traces": [trace]}, protocol=4))
+
+
+def test_what_existed_before_recording_is_the_start():
+    trace = [{"action": "alloc", "addr": 4096, "size": 1000, "stream": 0, "time_us": 1, "frames": []}]
+    segments = [{"device": 0, "address": 0, "total_size": 2 << 20, "allocated_size": 1536, "segment_type": "small",
+                 "is_expandable": False, "blocks": [
+                     {"address": 0, "size": 512, "requested_size": 512, "state": "active_allocated", "frames": []},
+                     {"address": 4096, "size": 1024, "requested_size": 1000, "state": "active_allocated", "frames": []}]}]
+    snapshot = load_snapshot(synthetic(trace, segments))
+    result = snapshot.result()
+    assert (result.allocated_before, result.peak_allocated, result.allocated_after) == (512, 1536, 1536)
+    assert snapshot.by_category() == {"before the trace": 512, "unknown": 1024}
+
+
+# -- bad input ------------------------------------------------------------------
+
+
+class Explodes:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_pickle_that_names_any_class_or_function_is_refused_without_running_it():
+    with pytest.raises(SnapshotError, match="names posix.system|names os.system"):
+        load_snapshot(io.BytesIO(pickle.dumps(Explodes())))
+    with pytest.raises(SnapshotError, match="names collections.OrderedDict"):
+        load_snapshot(io.BytesIO(pickle.dumps({"segments": [], "device_traces": [], "x": __import__("collections").OrderedDict()})))
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"not a pickle at all", "can't be read as a pickle"),
+        (pickle.dumps([1, 2, 3]), "holds list, not a memory snapshot"),
+        (pickle.dumps({"segments": []}), "not a memory snapshot"),
+        (pickle.dumps({"segments": [], "device_traces": [[]]}), "neither segments nor allocator events"),
+    ],
+)
+def test_what_is_not_a_snapshot_says_so(data, message):
+    with pytest.raises(SnapshotError, match=message):
+        load_snapshot(io.BytesIO(data))
+
+
+def test_a_truncated_snapshot_says_so(tmp_path):
+    whole = (SNAPSHOTS / "snapshot-cnn.pickle").read_bytes()
+    cut = tmp_path / "cut.pickle"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SnapshotError, match="cut.pickle can't be read as a pickle"):
+        load_snapshot(cut)
