@@ -112,6 +112,12 @@ def lines_table(lines: Sequence[LineUsage], limit: int = 12) -> list[str]:
     return rows
 
 
+def _device_index(device: str) -> int:
+    """``"cuda:1"`` -> 1; any other device (a tracked CPU run stands for a GPU) -> 0."""
+    _, _, index = device.partition(":")
+    return int(index) if device.startswith("cuda") and index.isdigit() else 0
+
+
 #: The line a result's text and HTML lead with when its figures may not be the compiled code's.
 COMPILED_WARNING = {
     "eager": "EAGER FIGURES: torch.compile'd code in the block ran eagerly under tracking (see the notes)",
@@ -299,6 +305,31 @@ class MemoryResult:
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
+
+    def to_snapshot(self, path: str) -> None:
+        """Write the block as a PyTorch memory snapshot pickle, for pytorch.org/memory_viz or ``torch.cuda._memory_viz``.
+
+        Needs the block's allocations, which a timeline keeps: measure with
+        ``timeline=True`` (``%%gpumem --timeline``, or ``--snapshot FILE``,
+        which writes it). Addresses and segments are nbmem's allocator
+        simulation's, the frames your lines (with ``lines=True``) and nbmem's
+        categories and modules; ``nbmem.load_snapshot`` reads it back.
+
+        Example::
+
+            with nbmem.track("cpu", timeline=True, lines=True) as scope:
+                train_step()
+            scope.result.to_snapshot("step.pickle")
+        """
+        events = getattr(self.timeline, "events", None)
+        if not events:
+            raise ValueError(
+                "to_snapshot needs the block's allocations, which only a timeline keeps: measure it with "
+                "timeline=True (nbmem.track(timeline=True), %%gpumem --timeline) or %%gpumem --snapshot FILE"
+            )
+        from .snapshot_export import snapshot_of, write_snapshot
+
+        write_snapshot(snapshot_of(events, _device_index(self.device)), path)
 
     # -- HTML (static, no widgets: renders wherever HTML does) ------------
 

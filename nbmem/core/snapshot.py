@@ -206,12 +206,15 @@ class Snapshot:
         self.allocated = sum(int(segment.get("allocated_size", 0)) for segment in segments)
         allocated = reserved = peak_allocated = peak_reserved = 0
         born: set[int] = set()
+        self._named: dict[int, str] = {}  # address -> the category its alloc entry names (nbmem's exports do)
         for entry in trace:
             # an alloc's size is what was asked for; the allocator's block is that rounded up to 512 B
             action, size = entry.get("action"), round_allocation(int(entry.get("size", 0)))
             if action == "alloc":
                 allocated += size
                 born.add(entry.get("addr", 0))
+                if isinstance(entry.get("category"), str):
+                    self._named[entry.get("addr", 0)] = entry["category"]
             elif action == "free_completed":
                 allocated -= size
             elif action in ("segment_alloc", "segment_map"):
@@ -235,7 +238,8 @@ class Snapshot:
             for block in segment.get("blocks", []):
                 if block.get("state") == "active_allocated":
                     frames = block.get("frames") or []
-                    category = _category(frames) if block.get("address") in self._born else "before the trace"
+                    address = block.get("address")
+                    category = (self._named.get(address) or _category(frames)) if address in self._born else "before the trace"
                     found.append(SnapshotBlock(int(block.get("address", 0)), int(block.get("size", 0)), _where(frames), category))
         return sorted(found, key=lambda block: -block.size)
 

@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..core import _env
 from . import display
-from ..tracking.compiled import expects_compiled
+from .cells import _CELL_CALL, _cell_expects_compiled, _compiled, _expects_compiled, _is_nbmem_cell
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..core.results import History, MemoryResult, first_line
 from ..tracking.scope import Backend, Engine, MemoryScope, resolve_backend
@@ -76,66 +76,6 @@ def _stopped(gauge: LiveGauge | None) -> str | None:
     return view.display_id if gauge.usable and isinstance(view, display.GaugeView) else None
 
 
-def _is_nbmem_cell(source: str) -> bool:
-    """``%%gpumem`` cells record themselves; ``%gpumem ...`` lines are nbmem's own commands."""
-    return first_line(source).startswith(("%%gpumem", "%gpumem"))
-
-
-#: How IPython's static transforms write a ``%%gpumem`` cell (IPython.core.inputtransformer2.cell_magic).
-_CELL_CALL = "get_ipython().run_cell_magic"
-
-
-def _expects_compiled(body: CodeType, last: CodeType | None, namespace: dict[str, Any]) -> bool:
-    """Whether a cell will run torch.compile'd code, guessed from the names it uses (tracking.compiled)."""
-    return expects_compiled(body, namespace) or (last is not None and expects_compiled(last, namespace))
-
-
-def _cell_expects_compiled(shell: Any, raw: str) -> bool:
-    """:func:`_expects_compiled` for a cell ``%gpumem on`` is about to run (its source; IPython runs it after)."""
-    try:
-        code = compile(shell.transform_cell(raw), "<cell>", "exec", dont_inherit=True)
-    except (SyntaxError, ValueError):  # IPython shows it when it runs the cell; nothing to guess from
-        return False
-    return expects_compiled(code, shell.user_ns)
-
-
-def _compiled(shell: Any, cell: str, number: int) -> tuple[CodeType, CodeType | None]:
-    """A cell's statements and last expression (None if it ends otherwise), compiled as IPython compiles a cell.
-
-    Raises IPython's SyntaxError for the code; for an ``await`` IPython would run, saying how to measure it.
-    """
-    __tracebackhide__ = True
-    source = shell.transform_cell(cell)
-    # Cache the source under a cell name so tracebacks show the user's lines.
-    filename = shell.compile.cache(source, number, raw_code=cell)
-    try:
-        tree = shell.transform_ast(shell.compile.ast_parse(source, filename=filename))
-        last = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = shell.compile(ast.Expression(tree.body.pop().value), filename, "eval")
-        return shell.compile(ast.Module(tree.body, type_ignores=[]), filename, "exec"), last
-    except SyntaxError as error:
-        if not (shell.autoawait and _awaits(source, filename, shell.compile.flags)):
-            raise  # IPython refuses the same code, saying the same
-        raise SyntaxError(
-            f"{error.msg}: %%gpumem runs its cell synchronously, so it can't await at top level; to measure "
-            "a cell that awaits, run `%gpumem on` before it (and `%gpumem off` after)",
-            (error.filename, error.lineno, error.offset, error.text, error.end_lineno, error.end_offset),
-        ) from None
-
-
-def _awaits(source: str, filename: str, flags: int) -> bool:
-    """Whether code that does not compile as a module compiles as IPython's autoawait runs a cell, as a coroutine.
-
-    The magic can't run it so: IPython calls it synchronously, from a cell with no ``await`` of its own.
-    """
-    try:
-        compile(source, filename, "exec", flags | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
-    except SyntaxError:
-        return False
-    return True
-
-
 @magics_class
 class GpuMemMagics(Magics):
     """Holds the session state; registered once per shell by :func:`load`."""
@@ -164,6 +104,7 @@ class GpuMemMagics(Magics):
     )
     @argument("--timeline", action="store_true", help="also plot live memory op by op, stacked by category, the peak named")
     @argument("--lines", action="store_true", help="also show which lines of your code made the memory alive at the peak")
+    @argument("--snapshot", default=None, metavar="FILE", help="also write the cell as a PyTorch memory snapshot pickle (pytorch.org/memory_viz)")
     @argument("--free-on-oom", action="store_true", help="after an out-of-memory error, release the failed cell's frames at once (%%debug is then unavailable)")
     @argument("--breakdown", action="store_true", help="also show what the memory at the peak was for: by category and module")
     @argument(
@@ -192,7 +133,7 @@ class GpuMemMagics(Magics):
 
         Usage, on a cell::
 
-          %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--lines] [--capacity SIZE_OR_PRESET]
+          %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--lines] [--snapshot FILE] [--capacity SIZE_OR_PRESET]
                    [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}] [--engine {auto,dispatch,native}]
 
         and as a line::
@@ -252,7 +193,8 @@ class GpuMemMagics(Magics):
         inspect them). ``--timeline`` plots live memory op by op. ``--lines`` adds a
         table of the cell's lines (and those of your functions it calls): the bytes
         each made that were alive at the peak, and all it made; backward's go to
-        the ``loss.backward()`` line, the optimizer's to ``step()``.
+        the ``loss.backward()`` line, the optimizer's to ``step()``. ``--snapshot FILE`` writes
+        the cell as a PyTorch memory snapshot (``MemoryResult.to_snapshot``).
 
         Examples::
 
@@ -298,7 +240,7 @@ class GpuMemMagics(Magics):
             execution_count=count,
             breakdown=args.breakdown,
             capacity=args.capacity,
-            timeline=args.timeline,
+            timeline=args.timeline or args.snapshot is not None,
             lines=args.lines,
             engine=args.engine,
             expect_compiled=args.engine == "auto" and _expects_compiled(body, last, namespace),
@@ -324,6 +266,10 @@ class GpuMemMagics(Magics):
         # the report is then the only sign of the result, so it shows
         silenced = DisplayHook.semicolon_at_end_of_expression(cell)
         self._report(result, args, shown_as_out=args.output and not silenced, in_place=_stopped(gauge))
+        if args.snapshot is not None:
+            result.to_snapshot(args.snapshot)
+            if not args.quiet:
+                print(f"gpumem: snapshot written to {args.snapshot} (open it at pytorch.org/memory_viz, or nbmem.load_snapshot)")
         if args.output:
             # The result is the cell's Out and displays there; the cell's own
             # last value is shown above it instead.
@@ -364,7 +310,7 @@ class GpuMemMagics(Magics):
             display.show_result(result, text=args.text, breakdown=args.breakdown, shell=self.shell, display_id=in_place)
         elif in_place is not None:  # the result is Out (-o): the gauge makes way for it
             display.clear_gauge(in_place)
-        if not args.quiet and result.timeline is not None:
+        if not args.quiet and args.timeline and result.timeline is not None:
             display.show_timeline(result.timeline)
         if scope is not None and error is not None and is_out_of_memory(error):
             if not args.quiet:

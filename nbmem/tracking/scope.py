@@ -536,6 +536,7 @@ def track(
     capacity: int | str | None = None,
     engine: Engine = "auto",
     lines: bool = False,
+    timeline: bool = False,
 ) -> MemoryScope:
     """Track a block: every tensor storage on ``device`` is accounted, CUDA or not.
 
@@ -560,7 +561,7 @@ def track(
     >>> dict(scope.result.breakdown.after)["other"] >= 512   # on the device after: x among it, not a parameter...
     True
     """
-    return MemoryScope("tracked", device, label=label, capacity=capacity, engine=engine,
+    return MemoryScope("tracked", device, label=label, capacity=capacity, engine=engine, timeline=timeline,
                        expect_compiled=engine == "auto" and _caller_expects_compiled(), lines=lines)
 
 

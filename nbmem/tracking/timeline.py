@@ -14,7 +14,7 @@ the peak is always kept.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.results import CATEGORIES
@@ -53,6 +53,9 @@ class Timeline:
     peak_bytes: int
     peak_op: str | None
     peak_module: str | None
+    #: Every storage of the block: (point it was made at, first point it was no longer alive at or None, bytes,
+    #: category, module, the user's line or None); point 0 is before the first op. For result.to_snapshot().
+    events: tuple[tuple[int, int | None, int, str, str | None, Any], ...] = field(default=(), compare=False, repr=False)
 
     def totals(self) -> list[int]:
         return [sum(values) for values in zip(*(values for _, values in self.series))]
@@ -79,6 +82,7 @@ def build_timeline(recording: Recording, end: int, *, points: int = 2000, module
     count = max(end - start, 0)
     # one more slot than ops: index 0 is the moment before the first op
     deltas = {name: [0] * (count + 2) for name in CATEGORIES}
+    events = []
     # Point k is the moment just after op k allocated its outputs, before
     # anything was freed: that is when the tracker's peak can be reached. A
     # storage freed during or after op k (died == k) was alive then.
@@ -87,6 +91,7 @@ def build_timeline(recording: Recording, end: int, *, points: int = 2000, module
         died = count + 1 if record.died is None else max(record.died - start + 1, born + 1)
         deltas[record.category][born] += record.size
         deltas[record.category][died] -= record.size
+        events.append((born, None if record.died is None else died, record.size, record.category, record.module, record.line))
     live = {name: list(itertools.accumulate(values[: count + 1])) for name, values in deltas.items()}
     totals = [sum(values) for values in zip(*live.values())]
     peak_index = max(range(len(totals)), key=totals.__getitem__) if totals else 0
@@ -100,6 +105,7 @@ def build_timeline(recording: Recording, end: int, *, points: int = 2000, module
         peak_bytes=totals[peak_index] if totals else 0,
         peak_op=op_name(peak_op),
         peak_module=module,
+        events=tuple(events),
     )
 
 
