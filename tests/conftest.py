@@ -65,6 +65,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def seeded(count: int) -> int:
+    """How many seeded trials a sampling test runs: all of them in CI (NBMEM_HEAVY=1), a quarter on a laptop."""
+    return count if os.environ.get(HEAVY) == "1" else max(count // 4, 5)
+
+
 def _under_coverage() -> bool:
     coverage = sys.modules.get("coverage")
     return coverage is not None and coverage.Coverage.current() is not None

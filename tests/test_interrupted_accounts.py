@@ -29,6 +29,7 @@ import nbmem
 from nbmem.tracking.native import available
 from nbmem.tracking.tracker import default_tracker
 
+from conftest import seeded
 from test_interrupts import NBMEM, _AtLine, _Interrupter, _lines_run, leftovers
 
 pytestmark = pytest.mark.interrupts  # skipped under coverage; .ci/run runs them without it (tests/conftest.py)
@@ -172,7 +173,7 @@ def test_seeded_interrupts_across_a_training_step_leave_the_accounts_true(step, 
         counter = _Anywhere(-1)
         _run_interrupted(counter, cell)
         assert counter.events > 1000  # the step's Python: modules, autograd, the optimizer, nbmem
-        for target in sorted(rng.sample(range(1, counter.events + 1), 25)):
+        for target in sorted(rng.sample(range(1, counter.events + 1), seeded(25))):
             _run_interrupted(_Anywhere(target), cell)
             assert leftovers(step.model) == []
             assert_accounts_are_the_truth(tracker, step.model, (target, "caught" if catch else "propagated"))

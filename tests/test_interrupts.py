@@ -30,6 +30,7 @@ from torch.optim import optimizer as optim_module
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import nbmem
+from conftest import seeded
 from nbmem.tracking import compiled
 from nbmem.tracking.scope import MemoryScope
 from nbmem.tracking.tracker import default_tracker
@@ -216,7 +217,7 @@ def test_an_interrupt_at_any_line_of_nbmem_leaves_nothing_behind(kind, training)
     cell()  # Adam's state exists from here on: every run below does the same work
     events = _count_events(cell)
     assert events > 300  # the cell runs through nbmem's install, accounting and remove paths
-    chosen = random.Random(f"issue-12-{kind}").sample(range(1, events + 1), 40)
+    chosen = random.Random(f"issue-12-{kind}").sample(range(1, events + 1), seeded(40))
     tracker = default_tracker("cpu")
     raised = 0
     for target in sorted(chosen):
@@ -239,7 +240,7 @@ def test_real_sigint_at_random_moments(training):
     interrupted = 0
     scopes: list[Any] = []
     try:
-        for _ in range(40):
+        for _ in range(seeded(40)):
             try:
                 signal.setitimer(signal.ITIMER_REAL, rng.uniform(0.0001, 0.005))
                 for kind in ("tracked", "breakdown", "timeline"):

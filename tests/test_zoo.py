@@ -273,9 +273,14 @@ def test_a_step_that_reads_values_names_the_op_and_the_module():
     assert estimate(ReadsInForward, lambda n: torch.randn(n, 8), batch_size=4, mode="tracked").peak > 0
 
 
-def test_a_downloading_factory_points_to_from_config(tmp_path):
+def test_a_downloading_factory_points_to_from_config(tmp_path, monkeypatch):
     need_zoo(vision=False)
+    import huggingface_hub.constants
     from transformers import AutoModelForCausalLM
+
+    # offline, as this project's machines are: without it transformers 5 still asks the Hub for an adapter
+    # config (five retries, 23 s here) and, on a laptop with a network, would reach it
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
 
     def download():
         return AutoModelForCausalLM.from_pretrained("gpt2", cache_dir=tmp_path, local_files_only=True)
