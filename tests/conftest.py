@@ -9,7 +9,10 @@ Three tiers (issues 12 and 22):
   slow tier too, but not the heavy one, which it skips saying how to run it.
 - ``NBMEM_HEAVY=1 pytest`` (what ``.ci/run`` does) adds the tests marked
   ``heavy``: they download or install far beyond the test extras (Binder's
-  environment, about 5.7 GB of CUDA libraries here) or need a system browser.
+  environment, about 5.7 GB of CUDA libraries here), need a system browser,
+  wait out long deadlines (launch and kernel timeouts), or run the what-if
+  notebooks 03-06 (which Binder's test runs too); and the seeded interrupt
+  sweeps take all their trials (:func:`seeded`).
 
 Tests marked ``interrupts`` raise KeyboardInterrupt from trace functions and
 real SIGINTs at seeded moments. Under ``coverage run`` one can land inside
@@ -53,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if "interrupts" in item.keywords:
                 item.add_marker(traced)
     if os.environ.get(HEAVY) != "1":
-        heavy = pytest.mark.skip(reason=f"heavy (downloads or a system browser): {HEAVY}=1 runs it, as .ci/run does")
+        heavy = pytest.mark.skip(reason=f"heavy (downloads, a system browser, long waits): {HEAVY}=1 runs it, as .ci/run does")
         for item in items:
             if "heavy" in item.keywords:
                 item.add_marker(heavy)

@@ -144,6 +144,7 @@ def test_max_peak_exceeded_exits_3_naming_the_cell(tmp_path, capsys):
     assert "cell [3]" not in err
 
 
+@pytest.mark.heavy  # waits out a deadline (20 s or more): CI runs it, a laptop's test command skips it
 def test_timeout_fails_the_cell_and_lists_what_ran(tmp_path, capsys):
     # The second cell never finishes, so the timeout, not the machine's speed,
     # decides where the run stops. --timeout applies to the notebook's cells,

@@ -84,6 +84,7 @@ def test_a_rank_that_dies_without_a_python_error_is_reported(tmp_path):
         run_ranks(target, 2, timeout=600)
 
 
+@pytest.mark.heavy  # waits out a deadline (20 s or more): CI runs it, a laptop's test command skips it
 def test_timeout_kills_every_rank(tmp_path):
     def target(rank, world_size):
         (tmp_path / f"pid{rank}").write_text(str(os.getpid()))
@@ -121,6 +122,7 @@ def _boom_on_rank_1(rank, world_size):
     time.sleep(FOREVER)
 
 
+@pytest.mark.heavy  # waits out a deadline (20 s or more): CI runs it, a laptop's test command skips it
 def test_a_rank_that_reported_its_error_but_does_not_exit_still_ends_the_launch(report_then_hang):
     # RankError soon after the report, not TimeoutError after 600 s; with where the rank hung since
     with pytest.raises(RankError, match="rank 1 of 2 failed") as raised:
@@ -133,6 +135,7 @@ def test_a_rank_that_reported_its_error_but_does_not_exit_still_ends_the_launch(
     assert "in run_ranks" not in stack  # the parent's frames, which the fork copied, are left out
 
 
+@pytest.mark.heavy  # waits out a deadline (20 s or more): CI runs it, a laptop's test command skips it
 def test_a_reported_error_not_a_timeout_ends_a_launch_whose_deadline_comes_first(report_then_hang, monkeypatch):
     monkeypatch.setattr(launcher, "_REPORTED_EXIT_GRACE", FOREVER)  # the deadline comes first
     # 20 s leaves a busy machine time to start the ranks and report (as test_timeout_kills_every_rank)

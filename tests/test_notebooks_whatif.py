@@ -17,7 +17,8 @@ import nbformat
 import pytest
 from _notebooks import assert_committed_clean, execute, failed_cells, text
 
-pytestmark = pytest.mark.slow
+# heavy: four notebooks of sweeps and launches, a minute in all; CI runs them here and in Binder's environment
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMES = (

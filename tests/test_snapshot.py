@@ -186,3 +186,15 @@ def test_the_magic_writes_a_snapshot(shell, tmp_path):
     assert result.success
     assert load_snapshot(path).result().allocated_after == result.result.allocated_after
     shell.run_cell("del kept")
+
+
+def test_a_loaded_snapshot_plots_its_trace_with_the_peak_where_the_allocator_had_it():
+    snapshot = load_snapshot(SNAPSHOTS / "snapshot-oom.pickle")
+    figure = snapshot.plot()
+    axes = figure.axes[0]
+    assert axes.get_title() == "gpumem timeline: live memory by category"
+    assert "allocator event" in axes.get_xlabel()
+    peak_label = [text.get_text() for text in axes.texts if text.get_text().startswith("peak")]
+    assert peak_label == ["peak 1.94 GiB\n"]  # 2,081,522,688 B: torch.cuda.max_memory_allocated() on the H100
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert {"optimizer state", "unknown"} <= set(legend)

@@ -26,6 +26,10 @@ COLOURS = {
     "activation": "#e76f51",
     "kv cache": "#457b9d",
     "other": "#adb5bd",
+    # what a loaded snapshot's frames can tell (nbmem.core.snapshot)
+    "backward": "#e9c46a",
+    "before the trace": "#8d99ae",
+    "unknown": "#adb5bd",
 }
 
 

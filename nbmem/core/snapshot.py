@@ -273,6 +273,43 @@ class Snapshot:
             error="OutOfMemoryError" if self.oom is not None else None, label=self.name, notes=tuple(notes),
         )
 
+    def plot(self, points: int = 2000) -> Any:
+        """A matplotlib Figure: live bytes through the trace, stacked by what frames say they were for, the peak marked."""
+        from types import SimpleNamespace
+
+        from .charts import COLOURS, timeline_figure
+
+        live = {"before the trace": self.allocated_at_start}
+        made: dict[Any, tuple[str, int]] = {}
+        rows = [dict(live)]
+        for entry in self._trace:
+            action = entry.get("action")
+            if action == "alloc":
+                named = entry.get("category")
+                category = named if isinstance(named, str) else _category(entry.get("frames") or [])
+                category = category if category in COLOURS else "unknown"
+                size = round_allocation(int(entry.get("size", 0)))
+                made[entry.get("addr")] = (category, size)
+                live[category] = live.get(category, 0) + size
+            elif action == "free_completed" and entry.get("addr") in made:
+                category, size = made.pop(entry.get("addr"))
+                live[category] -= size
+            else:
+                continue
+            rows.append(dict(live))
+        names = list(live)
+        totals = [sum(row.values()) for row in rows]
+        peak = max(range(len(totals)), key=totals.__getitem__)
+        stride = max(1, len(rows) // points)
+        steps = sorted(set(range(0, len(rows), stride)) | {peak, len(rows) - 1})
+        view = SimpleNamespace(
+            steps=steps, series=[(name, [rows[step].get(name, 0) for step in steps]) for name in names],
+            peak_step=peak, peak_bytes=totals[peak], peak_op=None, peak_module=None, ops=len(rows) - 1,
+        )
+        figure = timeline_figure(view)
+        figure.axes[0].set_xlabel(f"allocator event ({len(rows) - 1} allocations and frees)")
+        return figure
+
     def replay(self) -> Replay:
         """Run the trace's allocations and frees through :class:`~nbmem.core.allocator.CachingAllocatorSimulation`."""
         notes = []
