@@ -47,6 +47,22 @@ def table_row(out: str, number: int) -> str:
 # -- runs a kernel ----------------------------------------------------------------
 
 
+def test_profile_lines_names_the_lines_that_hold_each_cells_peak(tmp_path, capsys):
+    notebook = write_notebook(
+        tmp_path / "lines.ipynb",
+        "import torch",
+        "small = torch.zeros(256)\nbig = torch.zeros(1024, 1024)\ndel small",
+    )
+    status = cli.main(["profile", str(notebook), "--lines", "--backend", "tracked"])
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_OK, out + err
+    table = out.split("lines holding the most at each cell's peak:")[1].splitlines()
+    rows = [row.split() for row in table if row.startswith("[2]")]
+    # cell [2]'s second line made the 4 MiB alive at its peak; its first, 1 KiB (one 1 KiB block)
+    assert rows[0][:5] == ["[2]", "line", "2", "4.00", "MiB"] and rows[0][5:] == ["big", "=", "torch.zeros(1024,", "1024)"]
+    assert rows[1][:5] == ["[2]", "line", "1", "1.00", "KiB"]
+
+
 def test_profile_lists_every_cell_writes_output_and_fits_budget(tmp_path, monkeypatch, capsys):
     (tmp_path / "data.txt").write_text("read next to the notebook\n")
     notebook = write_notebook(

@@ -215,6 +215,11 @@ examples:
             "with %%%%gpumem or under `%%gpumem on --backend ...` use the backend they ask for."
         ),
     )
+    profile.add_argument(
+        "--lines",
+        action="store_true",
+        help="also show, under the table, the lines of each cell that held the most at its peak (tracked cells)",
+    )
     return parser
 
 
@@ -284,7 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _profile(args: argparse.Namespace) -> int:
     """Profile, print the table and the verdict; the exit status."""
     try:
-        profile = profile_notebook(args.notebook, kernel=args.kernel, timeout=args.timeout, backend=args.backend)
+        profile = profile_notebook(
+            args.notebook, kernel=args.kernel, timeout=args.timeout, backend=args.backend, lines=args.lines
+        )
     except ProfileError as error:
         _error(f"error: {error}")
         return EXIT_USAGE

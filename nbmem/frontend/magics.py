@@ -40,6 +40,7 @@ class _EveryCell:
     capacity: str | None = None
     live: bool = True  # the compact live line for long cells; `%gpumem on --no-live` turns it off
     engine: Engine = "auto"
+    lines: bool = False  # `nbmem profile --lines`: each cell's lines (nbmem.tracking.lines)
 
 
 @dataclass
@@ -393,7 +394,7 @@ class GpuMemMagics(Magics):
         options = session.every_cell or session.log_options
         scope = MemoryScope(
             options.backend, options.device, label=first_line(raw), execution_count=session.cell_number,
-            capacity=options.capacity, engine=options.engine,
+            capacity=options.capacity, engine=options.engine, lines=options.lines,
             expect_compiled=options.engine == "auto" and _cell_expects_compiled(self.shell, raw),
         )
         session.pending = scope.start()
@@ -535,7 +536,7 @@ def history(shell: Any = None) -> History:
     return _session(shell).history
 
 
-def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str | None = None) -> None:
+def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str | None = None, lines: bool = False) -> None:
     """Measure every cell quietly and append each result to ``path`` as a JSON line.
 
     Used by ``nbmem profile``; independent of ``%gpumem on``/``off`` (a cell
@@ -551,4 +552,4 @@ def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str
     load(shell, probe=False)
     session = _session(shell)
     session.log_path = path
-    session.log_options = _EveryCell(backend, device, quiet=True)
+    session.log_options = _EveryCell(backend, device, quiet=True, lines=lines)

@@ -54,7 +54,7 @@ BACKEND_CHOICES = ("auto", "cuda", "tracked")
 #: ValueError that says how to fix it.
 _SETUP_CELL = """\
 # Added by `nbmem profile` for this run only; not saved with --output.
-__import__("nbmem.frontend.magics").frontend.magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r})
+__import__("nbmem.frontend.magics").frontend.magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r}, lines={lines!r})
 """
 
 # Kernels colour their tracebacks; a CI log or a pipe wants plain text.
@@ -214,10 +214,24 @@ class NotebookProfile:
                 f" ({peak.result.peak_allocated} bytes) at cell [{peak.number}], {peak.result.mode}"
                 f" on {peak.result.device}"
             )
+        lines += _cell_lines(self.cells)
         return "\n".join(lines)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
+
+
+def _cell_lines(cells: Sequence[CellProfile], top: int = 3) -> list[str]:
+    """Each cell's lines holding the most at its peak (``--lines``), under the table; none when not asked for."""
+    rows = []
+    for cell in cells:
+        for line in (cell.result.lines or ())[:top] if cell.result is not None else ():
+            if line.at_peak and line.where != "(alive before)":
+                where = line.where.split(", ")[-1] if line.where.startswith("cell [") else line.where
+                rows.append((f"[{cell.number}]", where, format_bytes(line.at_peak), line.source[:60]))
+    if not rows:
+        return []
+    return ["lines holding the most at each cell's peak:"] + text_table(("cell", "line", "at the peak", "code"), rows)
 
 
 def _cell_list(numbers: Sequence[int]) -> str:
@@ -286,6 +300,7 @@ def profile_notebook(
     kernel: str | None = None,
     timeout: int | None = None,
     backend: str = "auto",
+    lines: bool = False,
 ) -> NotebookProfile:
     """Run every code cell of the notebook at ``path`` in a fresh kernel and measure each one.
 
@@ -295,6 +310,8 @@ def profile_notebook(
     against its own folder. ``kernel`` defaults to the notebook's kernelspec,
     else ``python3``. Raises :class:`ProfileError` when the notebook can't be
     profiled at all (no such file or kernel, nbmem missing in the kernel).
+    ``lines=True`` also charges each cell's memory to its lines (the
+    dispatch engine; ``nbmem profile --lines``), shown under the table.
     ``timeout`` is for the notebook's cells; nbmem's own setup cell gets at
     least :data:`SETUP_TIMEOUT` seconds. On Ctrl-C (KeyboardInterrupt) the
     kernel is killed, the temporary log removed, and :class:`Interrupted`
@@ -348,7 +365,7 @@ def profile_notebook(
     log_fd, log_path = tempfile.mkstemp(prefix="nbmem-profile-", suffix=".jsonl")
     try:
         os.close(log_fd)
-        setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(log_path=log_path, backend=backend))
+        setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(log_path=log_path, backend=backend, lines=lines))
         notebook.cells.insert(0, setup)
         try:
             with client.setup_kernel():
