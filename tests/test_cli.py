@@ -63,6 +63,19 @@ def test_profile_lines_names_the_lines_that_hold_each_cells_peak(tmp_path, capsy
     assert rows[1][:5] == ["[2]", "line", "1", "1.00", "KiB"]
 
 
+def test_profile_snapshot_writes_each_measured_cell(tmp_path, capsys):
+    import nbmem
+
+    notebook = write_notebook(tmp_path / "snap.ipynb", "import torch", "big = torch.zeros(1024, 1024)", "big.mul_(2)")
+    status = cli.main(["profile", str(notebook), "--snapshot", str(tmp_path / "snaps"), "--backend", "tracked"])
+    out, err = capsys.readouterr()
+    assert status == cli.EXIT_OK, out + err
+    written = sorted(path.name for path in (tmp_path / "snaps").iterdir())
+    assert written == ["cell-2.pickle", "cell-3.pickle"]  # cell 1 held nothing: no snapshot to write
+    second = nbmem.load_snapshot(tmp_path / "snaps" / "cell-2.pickle").result()
+    assert second.allocated_after - second.allocated_before == FOUR_MIB
+
+
 def test_profile_lists_every_cell_writes_output_and_fits_budget(tmp_path, monkeypatch, capsys):
     (tmp_path / "data.txt").write_text("read next to the notebook\n")
     notebook = write_notebook(

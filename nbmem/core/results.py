@@ -322,7 +322,7 @@ class MemoryResult:
             scope.result.to_snapshot("step.pickle")
         """
         events = getattr(self.timeline, "events", None)
-        if not events:
+        if events is None:
             raise ValueError(
                 "to_snapshot needs the block's allocations, which only a timeline keeps: measure it with "
                 "timeline=True (nbmem.track(timeline=True), %%gpumem --timeline) or %%gpumem --snapshot FILE"

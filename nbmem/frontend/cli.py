@@ -220,6 +220,12 @@ examples:
         action="store_true",
         help="also show, under the table, the lines of each cell that held the most at its peak (tracked cells)",
     )
+    profile.add_argument(
+        "--snapshot",
+        metavar="DIR",
+        default=None,
+        help="also write each measured cell to DIR as a PyTorch memory snapshot, cell-N.pickle (pytorch.org/memory_viz)",
+    )
     return parser
 
 
@@ -290,7 +296,8 @@ def _profile(args: argparse.Namespace) -> int:
     """Profile, print the table and the verdict; the exit status."""
     try:
         profile = profile_notebook(
-            args.notebook, kernel=args.kernel, timeout=args.timeout, backend=args.backend, lines=args.lines
+            args.notebook, kernel=args.kernel, timeout=args.timeout, backend=args.backend, lines=args.lines,
+            snapshots=args.snapshot,
         )
     except ProfileError as error:
         _error(f"error: {error}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
@@ -41,6 +42,7 @@ class _EveryCell:
     live: bool = True  # the compact live line for long cells; `%gpumem on --no-live` turns it off
     engine: Engine = "auto"
     lines: bool = False  # `nbmem profile --lines`: each cell's lines (nbmem.tracking.lines)
+    snapshots: str | None = None  # `nbmem profile --snapshot DIR`: each cell written there as exec-N.pickle
 
 
 @dataclass
@@ -394,7 +396,7 @@ class GpuMemMagics(Magics):
         options = session.every_cell or session.log_options
         scope = MemoryScope(
             options.backend, options.device, label=first_line(raw), execution_count=session.cell_number,
-            capacity=options.capacity, engine=options.engine, lines=options.lines,
+            capacity=options.capacity, engine=options.engine, lines=options.lines, timeline=options.snapshots is not None,
             expect_compiled=options.engine == "auto" and _cell_expects_compiled(self.shell, raw),
         )
         session.pending = scope.start()
@@ -424,6 +426,9 @@ class GpuMemMagics(Magics):
                 display.clear_gauge(in_place)
             return  # this cell ran `%gpumem off`
         session.record(measured)
+        folder = (session.every_cell or session.log_options).snapshots
+        if folder is not None and getattr(measured.timeline, "events", None) and measured.execution_count is not None:
+            measured.to_snapshot(os.path.join(folder, f"exec-{measured.execution_count}.pickle"))
         if session.every_cell is not None and not session.every_cell.quiet:
             display.show_line(measured, display_id=in_place)
 
@@ -536,7 +541,10 @@ def history(shell: Any = None) -> History:
     return _session(shell).history
 
 
-def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str | None = None, lines: bool = False) -> None:
+def log_every_cell(
+    shell: Any, path: str, backend: Backend = "auto", device: str | None = None, lines: bool = False,
+    snapshots: str | None = None,
+) -> None:
     """Measure every cell quietly and append each result to ``path`` as a JSON line.
 
     Used by ``nbmem profile``; independent of ``%gpumem on``/``off`` (a cell
@@ -552,4 +560,4 @@ def log_every_cell(shell: Any, path: str, backend: Backend = "auto", device: str
     load(shell, probe=False)
     session = _session(shell)
     session.log_path = path
-    session.log_options = _EveryCell(backend, device, quiet=True, lines=lines)
+    session.log_options = _EveryCell(backend, device, quiet=True, lines=lines, snapshots=snapshots)

@@ -54,7 +54,7 @@ BACKEND_CHOICES = ("auto", "cuda", "tracked")
 #: ValueError that says how to fix it.
 _SETUP_CELL = """\
 # Added by `nbmem profile` for this run only; not saved with --output.
-__import__("nbmem.frontend.magics").frontend.magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r}, lines={lines!r})
+__import__("nbmem.frontend.magics").frontend.magics.log_every_cell(get_ipython(), {log_path!r}, backend={backend!r}, lines={lines!r}, snapshots={snapshots!r})
 """
 
 # Kernels colour their tracebacks; a CI log or a pipe wants plain text.
@@ -301,6 +301,7 @@ def profile_notebook(
     timeout: int | None = None,
     backend: str = "auto",
     lines: bool = False,
+    snapshots: str | os.PathLike[str] | None = None,
 ) -> NotebookProfile:
     """Run every code cell of the notebook at ``path`` in a fresh kernel and measure each one.
 
@@ -311,7 +312,9 @@ def profile_notebook(
     else ``python3``. Raises :class:`ProfileError` when the notebook can't be
     profiled at all (no such file or kernel, nbmem missing in the kernel).
     ``lines=True`` also charges each cell's memory to its lines (the
-    dispatch engine; ``nbmem profile --lines``), shown under the table.
+    dispatch engine; ``nbmem profile --lines``), shown under the table;
+    ``snapshots`` (a folder, made if missing) receives each measured cell as a
+    PyTorch memory snapshot, ``cell-N.pickle`` (``nbmem profile --snapshot DIR``).
     ``timeout`` is for the notebook's cells; nbmem's own setup cell gets at
     least :data:`SETUP_TIMEOUT` seconds. On Ctrl-C (KeyboardInterrupt) the
     kernel is killed, the temporary log removed, and :class:`Interrupted`
@@ -330,6 +333,12 @@ def profile_notebook(
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     path = os.fspath(path)
+    folder = None if snapshots is None else os.path.abspath(os.fspath(snapshots))
+    if folder is not None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:
+            raise ProfileError(f"can't make the snapshot folder {folder!r}: {error}") from None
     if backend not in BACKEND_CHOICES:
         raise ProfileError(f"backend {backend!r} is not known: use one of {', '.join(BACKEND_CHOICES)}")
     if not os.path.exists(path):
@@ -365,7 +374,9 @@ def profile_notebook(
     log_fd, log_path = tempfile.mkstemp(prefix="nbmem-profile-", suffix=".jsonl")
     try:
         os.close(log_fd)
-        setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(log_path=log_path, backend=backend, lines=lines))
+        setup = nbformat.v4.new_code_cell(_SETUP_CELL.format(
+            log_path=log_path, backend=backend, lines=lines, snapshots=None if folder is None else str(folder)
+        ))
         notebook.cells.insert(0, setup)
         try:
             with client.setup_kernel():
@@ -412,6 +423,11 @@ def profile_notebook(
                 failed=cell is failed_cell,
             )
         )
+    if folder is not None:  # named by the kernel's execution counts; renamed as a reader counts cells
+        for cell in cells:
+            written = os.path.join(folder, f"exec-{cell.execution_count}.pickle")
+            if cell.execution_count is not None and os.path.exists(written):
+                os.replace(written, os.path.join(folder, f"cell-{cell.number}.pickle"))
     not_run: tuple[int, ...] = ()
     if failed_cell is not None:
         after = numbered[numbered.index(failed_cell) + 1 :]
