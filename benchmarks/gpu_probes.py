@@ -48,7 +48,7 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("accel", "snapshot", "compile", "bnb", "cudnn", "nbmem-compiled")
+SECTIONS = ("accel", "snapshot", "compile", "bnb", "cudnn", "nbmem-compiled", "nbmem-snapshot")
 MiB = 1 << 20
 
 
@@ -359,6 +359,48 @@ def probe_nbmem_compiled(name: str) -> dict[str, Any]:
     return result
 
 
+def probe_nbmem_snapshot(out: Path) -> dict[str, Any]:
+    """load_snapshot on a snapshot torch records now, against torch's counters; lines and to_snapshot on CUDA."""
+    import nbmem
+
+    torch.manual_seed(0)
+    model = mlp().cuda()
+    optimizer = torch.optim.AdamW(model.parameters())
+    batch = torch.randn(512, 1024, device="cuda")
+    torch.cuda.synchronize()
+    reset()
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    for _ in range(2):
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    path = out / "snapshot-live.pickle"
+    torch.cuda.memory._dump_snapshot(str(path))
+    torch.cuda.memory._record_memory_history(enabled=None)
+    truth = stats()
+    loaded = nbmem.load_snapshot(path)
+    r = loaded.result()
+    replay = loaded.replay()
+    result: dict[str, Any] = {
+        "torch": truth, "loaded": {"peak_allocated": r.peak_allocated, "peak_reserved": r.peak_reserved,
+                                   "allocated_after": r.allocated_after, "allocated_before": r.allocated_before},
+        "replay_exact": replay.exact, "replay": str(replay), "by_category": loaded.by_category(),
+    }
+    with nbmem.measure("cuda", lines=True, timeline=True) as scope:
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+    exported = out / "export-measured.pickle"
+    scope.result.to_snapshot(str(exported))
+    back = nbmem.load_snapshot(exported).result()
+    result["measured_with_lines"] = {
+        "peak": scope.result.peak, "peak_allocated": scope.result.peak_allocated,
+        "lines": [(line.where, line.source, line.at_peak, line.allocated) for line in (scope.result.lines or ())][:6],
+        "export_peak_allocated": back.peak_allocated, "notes": [n[:120] for n in scope.result.notes],
+    }
+    return result
+
+
 # -- bitsandbytes ---------------------------------------------------------------
 
 
@@ -595,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
     if "cudnn" in sections:
         probes.item("cudnn.lstm", lambda: probe_cudnn_ops("lstm"))
         probes.item("cudnn.cnn", lambda: probe_cudnn_ops("cnn"))
+    if "nbmem-snapshot" in sections:
+        probes.item("nbmem-snapshot", lambda: probe_nbmem_snapshot(out), reserve=10.0)
     if "nbmem-compiled" in sections:
         for name in ("cnn", "gpt"):
             probes.item(f"nbmem-compiled.{name}", lambda n=name: probe_nbmem_compiled(n), reserve=30.0)

@@ -24,6 +24,7 @@ import linecache
 import os
 import sys
 import sysconfig
+import threading
 from types import CodeType
 from typing import Any, Iterable
 
@@ -65,18 +66,20 @@ class LineCounter:
     """Live and allocated bytes per line of the user's code, for one tracker while lines are asked for."""
 
     def __init__(self, live_before: int = 0) -> None:
+        #: the thread that asked for lines: storages made on another (CUDA's backward runs on its own threads)
+        #: go to the line this one is at meanwhile (``loss.backward()``, waiting for them)
+        self.thread = threading.get_ident()
         #: live bytes per line now; ``None``: storages alive before the lines were asked for
         self.live: dict[Any, int] = {None: live_before} if live_before else {}
         #: bytes allocated per line (never goes down)
         self.allocated: dict[Any, int] = {}
         self.users = 1  # scopes that asked for lines (nested scopes share one counter)
 
-    @staticmethod
-    def line_now() -> tuple[str, int] | None:
-        """The innermost frame of the user's code on this thread's stack, or None (all PyTorch's or nbmem's)."""
-        frame = sys._getframe(1)
+    def line_now(self) -> tuple[str, int] | None:
+        """The innermost frame of the user's code on the asking thread's stack, or None (all PyTorch's or nbmem's)."""
+        frame: Any = sys._getframe(1) if threading.get_ident() == self.thread else sys._current_frames().get(self.thread)
         while frame is not None and not _is_users(frame.f_code):
-            frame = frame.f_back  # type: ignore[assignment]
+            frame = frame.f_back
         return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
 
     def made(self, record: Any, adopted: bool) -> None:
