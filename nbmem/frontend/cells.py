@@ -14,7 +14,7 @@ from types import CodeType
 from typing import Any
 
 from ..core.results import first_line
-from ..tracking.compiled import expects_compiled
+from ..tracking.compiled import compiled_anywhere, expects_compiled
 
 __all__: list[str] = []  # the magics' own helpers
 
@@ -35,6 +35,8 @@ def _expects_compiled(body: CodeType, last: CodeType | None, namespace: dict[str
 
 def _cell_expects_compiled(shell: Any, raw: str) -> bool:
     """:func:`_expects_compiled` for a cell ``%gpumem on`` is about to run (its source; IPython runs it after)."""
+    if "compile" not in raw and not compiled_anywhere():
+        return False  # the common case, without compiling the cell a second time
     try:
         code = compile(shell.transform_cell(raw), "<cell>", "exec", dont_inherit=True)
     except (SyntaxError, ValueError):  # IPython shows it when it runs the cell; nothing to guess from

@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["watch", "unwatch", "entered_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen"]
+__all__ = ["watch", "unwatch", "entered_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere"]
 
 #: Compiled regions entered while any watch was on (only grows).
 _entered = 0
@@ -133,6 +133,11 @@ def seen() -> bool:
 def note_seen() -> None:
     global _seen
     _seen = True
+
+
+def compiled_anywhere() -> bool:
+    """Whether anything could have been compiled in this process (Dynamo is loaded), or compiled code already ran."""
+    return _seen or _eval_frame() is not None
 
 
 def _names(code: CodeType) -> Iterator[str]:
