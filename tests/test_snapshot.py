@@ -198,3 +198,13 @@ def test_a_loaded_snapshot_plots_its_trace_with_the_peak_where_the_allocator_had
     assert peak_label == ["peak 1.94 GiB\n"]  # 2,081,522,688 B: torch.cuda.max_memory_allocated() on the H100
     legend = [text.get_text() for text in axes.get_legend().get_texts()]
     assert {"optimizer state", "unknown"} <= set(legend)
+
+
+def test_an_out_of_memory_trace_is_diagnosed_from_the_snapshot():
+    text = load_snapshot(SNAPSHOTS / "snapshot-oom.pickle").diagnose()
+    # the probe capped the process at 2 GiB (set_per_process_memory_fraction) on an 80 GB card
+    assert text.startswith("out of memory on cuda:0: 256 MiB asked for")
+    assert "1.25 GiB of it cached in 7 free blocks (the largest 256 MiB)" in text
+    assert "a cap stopped it" in text
+    assert "256 MiB  unknown           <string>:13 in <module>" in text
+    assert load_snapshot(SNAPSHOTS / "snapshot-mlp.pickle").diagnose() == "snapshot-mlp.pickle: no out-of-memory error in this trace"

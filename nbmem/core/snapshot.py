@@ -273,6 +273,35 @@ class Snapshot:
             error="OutOfMemoryError" if self.oom is not None else None, label=self.name, notes=tuple(notes),
         )
 
+    def diagnose(self, top: int = 5) -> str:
+        """Why the trace ended in an out-of-memory error, from what the snapshot holds, and what could help."""
+        if self.oom is None:
+            return f"{self.name}: no out-of-memory error in this trace"
+        asked = round_allocation(int(self.oom.get("size", 0)))
+        spare = self.fragmentation()
+        lines = [
+            f"out of memory on cuda:{self.device}: {format_bytes(asked)} asked for at {_where(self.oom.get('frames') or [])}, "
+            f"with {format_bytes(int(self.oom.get('device_free', 0)))} free on the device as the driver saw it",
+            f"at the snapshot: {format_bytes(self.allocated)} allocated, {format_bytes(self.reserved)} reserved, "
+            f"{format_bytes(spare['cached_bytes'])} of it cached in {spare['free_blocks']} free blocks "
+            f"(the largest {format_bytes(spare['largest_free_block'])})",
+        ]
+        if spare["cached_bytes"] >= asked > spare["largest_free_block"]:
+            lines.append(
+                "fragmentation: enough is cached, but in no one block of that size; "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lets segments grow instead of splitting"
+            )
+        if int(self.oom.get("device_free", 0)) >= asked:
+            lines.append(
+                "the device itself had room: a cap stopped it (torch.cuda.set_per_process_memory_fraction, "
+                "or another process's reservation)"
+            )
+        lines.append("largest blocks alive (what they were for, where they were made):")
+        lines += [f"  {format_bytes(block.size):>10}  {block.category:<17} {block.where}" for block in self.blocks()[:top]]
+        totals = sorted(self.by_category().items(), key=lambda item: -item[1])
+        lines.append("by what they were for: " + ", ".join(f"{name} {format_bytes(size)}" for name, size in totals))
+        return "\n".join(lines)
+
     def plot(self, points: int = 2000) -> Any:
         """A matplotlib Figure: live bytes through the trace, stacked by what frames say they were for, the peak marked."""
         from types import SimpleNamespace
