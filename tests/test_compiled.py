@@ -166,7 +166,7 @@ def test_a_virtual_capacity_keeps_the_dispatch_engine_and_says_why(eager_compile
     with nbmem.track("cpu", capacity="1GiB") as scope:
         step(fast, torch.randn(8, 256))
     assert (scope.engine, scope.result.compiled) == ("dispatch", "eager")
-    assert any("--capacity and --timeline need every op" in note for note in scope.result.notes)
+    assert any("--capacity, --timeline and --lines need every op" in note for note in scope.result.notes)
 
 
 @pytest.mark.slow  # inductor builds C++ kernels: seconds
@@ -281,3 +281,14 @@ def test_compile_first_used_inside_a_block_is_said_to_be_unknown():
     out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["unknown"]
+
+
+@needs_native
+def test_a_native_scope_around_a_dispatch_scope_says_its_compiled_calls_ran_eagerly(eager_compiled):
+    _, fast = eager_compiled
+    with nbmem.track("cpu", engine="native") as outer:
+        with nbmem.track("cpu", engine="dispatch") as inner:
+            step(fast, torch.randn(8, 256))
+    assert inner.result.compiled == "eager"
+    assert outer.result.compiled == "eager"  # the call ran eagerly for the inner scope: not the compiled figure
+    assert any("because a scope with a dispatch mode" in note for note in outer.result.notes)

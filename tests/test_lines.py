@@ -96,3 +96,28 @@ def test_results_with_lines_go_through_records():
     result, _, _ = three_tensors()
     again = nbmem.MemoryResult.from_record(nbmem.History([result]).to_records()[0])
     assert again.lines == result.lines
+
+
+def test_a_second_lines_scope_never_charges_an_earlier_scopes_lines():
+    # (found in review) records kept the line an earlier counter gave them: freeing one in a later scope made a
+    # negative row, and the peak of a scope whose peak is its start was taken at its end
+    with nbmem.track("cpu", lines=True):
+        first = torch.zeros(256, 1024)  # 1 MiB, charged to this line by the first scope
+    with nbmem.track("cpu", lines=True) as scope:
+        del first  # the peak is the start: 1 MiB more than anything after
+        later = torch.zeros(64, 1024)  # noqa: F841
+    result = scope.result
+    assert all(line.at_peak >= 0 and line.allocated >= 0 for line in result.lines)
+    assert sum(line.at_peak for line in result.lines) == result.peak_allocated == result.allocated_before
+    assert by_where(result)["(alive before)"][0] == result.allocated_before
+
+
+def test_unloading_detaches_the_lines_of_a_scope_that_never_stopped():
+    from nbmem.tracking.tracker import remove_every_tracker
+
+    scope = nbmem.track("cpu", lines=True).start()  # as if Ctrl-C cut it off from its stop()
+    assert default_tracker("cpu")._lines is not None
+    remove_every_tracker()  # what %unload_ext nbmem does
+    assert default_tracker("cpu")._lines is None
+    scope.stop()
+    assert default_tracker("cpu")._lines is None

@@ -208,3 +208,24 @@ def test_an_out_of_memory_trace_is_diagnosed_from_the_snapshot():
     assert "a cap stopped it" in text
     assert "256 MiB  unknown           <string>:13 in <module>" in text
     assert load_snapshot(SNAPSHOTS / "snapshot-mlp.pickle").diagnose() == "snapshot-mlp.pickle: no out-of-memory error in this trace"
+
+
+def test_an_export_with_an_empty_storage_and_what_it_says_it_is(tmp_path):
+    import torch
+
+    with nbmem.track("cpu", timeline=True) as scope:
+        empty = torch.empty(0)  # noqa: F841  (no allocator block: left out, it once crashed the export)
+        kept = torch.ones(256, 1024)  # noqa: F841
+    path = tmp_path / "block.pickle"
+    scope.result.to_snapshot(str(path))
+    result = load_snapshot(path).result()
+    assert result.allocated_after == scope.result.allocated_after
+    assert (result.mode, result.device) == ("tracked", "cpu")  # not a GPU's measurement
+    assert "which nbmem wrote from a block tracked on cpu" in result.notes[0]
+
+
+@pytest.mark.parametrize("contents", [{"segments": [1], "device_traces": [[]]},
+                                      {"segments": [], "device_traces": [[{"action": "alloc", "size": "x"}]]}])
+def test_a_snapshot_with_the_keys_but_not_the_contents_says_so(contents):
+    with pytest.raises(SnapshotError, match="has a snapshot's keys but not its contents"):
+        load_snapshot(io.BytesIO(pickle.dumps(contents)))

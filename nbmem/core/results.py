@@ -329,7 +329,8 @@ class MemoryResult:
             )
         from .snapshot_export import snapshot_of, write_snapshot
 
-        write_snapshot(snapshot_of(events, _device_index(self.device)), path)
+        source = {"mode": self.mode, "device": self.device, "label": self.label}
+        write_snapshot(snapshot_of(events, _device_index(self.device), source), path)
 
     # -- HTML (static, no widgets: renders wherever HTML does) ------------
 

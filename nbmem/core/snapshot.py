@@ -146,13 +146,28 @@ def load_snapshot(source: str | os.PathLike[str] | IO[bytes], device: int | None
     if device is None:
         device = next((index for index, trace in enumerate(traces) if trace), 0)
     trace = traces[device] if device < len(traces) else []
+    if not isinstance(trace, list) or not all(isinstance(item, dict) for item in [*trace, *data["segments"]]):
+        raise SnapshotError(
+            f"{name} has a snapshot's keys but not its contents: its segments and trace entries must be dicts, as "
+            "torch.cuda.memory._snapshot() writes them"
+        )
     segments = [segment for segment in data["segments"] if segment.get("device", device) == device]
     if not trace and not segments:
         raise SnapshotError(
             f"{name} has neither segments nor allocator events on device {device}: nothing was recorded (was "
             "torch.cuda.memory._record_memory_history() called before the work, on this device?)"
         )
-    return Snapshot(name, device, segments, trace, dict(data.get("allocator_settings") or {}))
+    try:
+        snapshot = Snapshot(name, device, segments, trace, dict(data.get("allocator_settings") or {}))
+        snapshot.blocks()
+    except (AttributeError, TypeError, ValueError, KeyError) as error:
+        raise SnapshotError(
+            f"{name} has a snapshot's keys but not its contents ({type(error).__name__}: {error}): segments and trace "
+            "entries must be dicts with numeric sizes, as torch.cuda.memory._snapshot() writes them"
+        ) from None
+    written_by = data.get("nbmem")
+    snapshot.source = dict(written_by) if isinstance(written_by, dict) else None
+    return snapshot
 
 
 def _where(frames: list[dict[str, Any]]) -> str:
@@ -201,6 +216,8 @@ class Snapshot:
     def __init__(self, name: str, device: int, segments: list[dict[str, Any]], trace: list[dict[str, Any]],
                  settings: dict[str, Any]) -> None:
         self.name, self.device, self.settings = name, device, settings
+        #: how nbmem measured a block it wrote itself (result.to_snapshot): mode, device, label; None for PyTorch's
+        self.source: dict[str, Any] | None = None
         self._segments, self._trace = segments, trace
         self.reserved = sum(int(segment.get("total_size", 0)) for segment in segments)
         self.allocated = sum(int(segment.get("allocated_size", 0)) for segment in segments)
@@ -259,16 +276,25 @@ class Snapshot:
     def result(self) -> MemoryResult:
         """The trace's figures as a result: measured by the real allocator, from the start of recording to the snapshot."""
         times = [entry["time_us"] for entry in self._trace if isinstance(entry.get("time_us"), (int, float))]
-        notes = [f"read from {self.name}, a torch.cuda.memory._snapshot() of cuda:{self.device}: figures from its "
-                 "allocator events, \"before\" is what was allocated when recording began"]
+        source = self.source
+        if source is None:
+            mode, device = "measured", f"cuda:{self.device}"
+            notes = [f"read from {self.name}, a torch.cuda.memory._snapshot() of cuda:{self.device}: figures from its "
+                     "allocator events, \"before\" is what was allocated when recording began"]
+        else:
+            mode, device = str(source.get("mode", "tracked")), str(source.get("device", "cpu"))
+            notes = [f"read from {self.name}, which nbmem wrote from a block {mode} on {device}: its storages, placed by "
+                     "nbmem's allocator simulation; times are op counts, and what was alive before the block is "
+                     "allocated at its start"]
         if self.oom is not None:
             notes.append(
                 f"the trace ends in an out-of-memory error: {format_bytes(int(self.oom.get('size', 0)))} asked for with "
                 f"{format_bytes(int(self.oom.get('device_free', 0)))} free on the device ({_where(self.oom.get('frames') or [])})"
             )
         return MemoryResult(
-            mode="measured", device=f"cuda:{self.device}", allocated_before=self.allocated_at_start,
-            peak_allocated=self.peak_allocated, allocated_after=self.allocated, seconds=(max(times) - min(times)) / 1e6 if times else 0.0,
+            mode=mode, device=device, allocated_before=self.allocated_at_start,  # type: ignore[arg-type]
+            peak_allocated=self.peak_allocated, allocated_after=self.allocated,
+            seconds=(max(times) - min(times)) / 1e6 if times and source is None else 0.0,
             reserved_before=self.reserved_at_start, peak_reserved=self.peak_reserved, reserved_after=self.reserved,
             error="OutOfMemoryError" if self.oom is not None else None, label=self.name, notes=tuple(notes),
         )

@@ -29,13 +29,15 @@ def _frames(category: str, module: str | None, line: Any) -> list[dict[str, Any]
     return frames
 
 
-def snapshot_of(events: Any, device: int = 0) -> dict[str, Any]:
+def snapshot_of(events: Any, device: int = 0, source: dict[str, Any] | None = None) -> dict[str, Any]:
     """A snapshot dict, as ``torch.cuda.memory._snapshot()`` makes, from a timeline's storages (Timeline.events).
 
     Addresses and segments come from nbmem's caching-allocator simulation;
     time is the op count; each entry's ``category`` is nbmem's ("other" is
     the viewer's "unknown", which it needs to exist). Storages alive before
-    the block are allocated first, at time 0.
+    the block are allocated first, at time 0; storages of 0 bytes, which
+    no allocator gives a block, are left out. ``source`` (how nbmem measured
+    it) goes under the key "nbmem", which :func:`nbmem.load_snapshot` reads.
     """
     order = []
     for index, (born, ended, *_rest) in enumerate(events):
@@ -53,6 +55,8 @@ def snapshot_of(events: Any, device: int = 0) -> dict[str, Any]:
 
     for time, kind, index in order:
         _, _, size, category, module, line = events[index]
+        if not size:
+            continue
         named = "unknown" if category == "other" else category
         entry = {"size": size, "stream": 0, "time_us": time, "frames": _frames(category, module, line), "category": named}
         if kind == 0:
@@ -87,7 +91,10 @@ def snapshot_of(events: Any, device: int = 0) -> dict[str, Any]:
             "segment_type": "small" if segment.small else "large", "segment_pool_id": (0, 0), "is_expandable": False,
             "frames": [], "blocks": blocks,
         })
-    return {"segments": segments, "device_traces": [trace if index == device else [] for index in range(device + 1)]}
+    data = {"segments": segments, "device_traces": [trace if index == device else [] for index in range(device + 1)]}
+    if source:
+        data["nbmem"] = dict(source)
+    return data
 
 
 def write_snapshot(data: dict[str, Any], path: str | os.PathLike[str]) -> None:

@@ -428,7 +428,10 @@ class GpuMemMagics(Magics):
         session.record(measured)
         folder = (session.every_cell or session.log_options).snapshots
         if folder is not None and getattr(measured.timeline, "events", None) and measured.execution_count is not None:
-            measured.to_snapshot(os.path.join(folder, f"exec-{measured.execution_count}.pickle"))
+            try:
+                measured.to_snapshot(os.path.join(folder, f"exec-{measured.execution_count}.pickle"))
+            except Exception as error:  # an IPython hook: say it, never break the cell that ran
+                print(f"gpumem: no snapshot of cell [{measured.execution_count}] ({type(error).__name__}: {error})")
         if session.every_cell is not None and not session.every_cell.quiet:
             display.show_line(measured, display_id=in_place)
 

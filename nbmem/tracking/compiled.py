@@ -42,8 +42,9 @@ import torch
 
 __all__ = ["watch", "unwatch", "entered_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere"]
 
-#: Compiled regions entered while any watch was on (only grows).
+#: Compiled regions entered while any watch was on, and those of them run eagerly on purpose (only grow).
 _entered = 0
+_forced = 0
 #: ids of the open watches' owners (scopes); the probe is in while there is one.
 _watches: set[int] = set()
 #: the owners among them that run a dispatch mode: compiled code runs eagerly while one is open (_probe says why)
@@ -59,10 +60,11 @@ def _eval_frame() -> Any:
 
 
 def _probe(callback: Any) -> Any:
-    global _entered
+    global _entered, _forced
     if callback is not None and callback is not False:  # None: a disabled region; False: run-only mode
         _entered += 1
         if _eager:
+            _forced += 1
             # Under a dispatch mode Dynamo would skip the frame, and mark its code skipped for good: the
             # compiled function then runs eagerly for the rest of the process, mode or not (seen with
             # torch 2.13). No callback, as torch.compiler.set_stance("force_eager") gives, runs it eagerly
@@ -91,6 +93,11 @@ def watch(owner: object, *, eager: bool = False) -> int | None:
         _original = current
         frames._callback_from_stance = _probe
     return _entered if probe_installed() else None
+
+
+def forced_count() -> int:
+    """How many compiled calls so far ran eagerly because a dispatch mode's scope was open (compare two readings)."""
+    return _forced
 
 
 def entered_since(start: int | None) -> int | None:

@@ -73,7 +73,7 @@ class LineCounter:
         self.live: dict[Any, int] = {None: live_before} if live_before else {}
         #: bytes allocated per line (never goes down)
         self.allocated: dict[Any, int] = {}
-        self.users = 1  # scopes that asked for lines (nested scopes share one counter)
+        self.owners: set[int] = set()  # ids of the scopes that asked for lines (nested scopes share one counter)
 
     def line_now(self) -> tuple[str, int] | None:
         """The innermost frame of the user's code on the asking thread's stack, or None (all PyTorch's or nbmem's)."""
@@ -112,26 +112,34 @@ class LineCounter:
         self.live = live
 
 
-def start_lines(tracker: Any) -> LineCounter:
+def start_lines(tracker: Any, owner: object) -> LineCounter:
     """Have ``tracker`` (the dispatch engine's) charge every storage it counts from now on to the user's line.
 
-    Nested scopes share one counter; each :func:`stop_lines` once for its start.
+    Nested scopes (``owner``) share one counter. :func:`stop_lines` with the
+    same owner ends its part, and is safe to repeat, or to run for a start
+    Ctrl-C cut short anywhere.
     """
     tracker.drain()
     counter: LineCounter | None = tracker._lines
     if counter is None:
-        tracker._settle_peak()  # a peak already reached is one without lines
-        counter = tracker._lines = LineCounter(tracker._allocated)
-    else:
-        counter.users += 1
+        for record in tracker._storages.values():
+            record.line = None  # a line an earlier counter gave is not this one's: all of them were there before
+        tracker._settle_peak()
+        counter = LineCounter(tracker._allocated)
+        if tracker._peak_detail is not None and tracker._peak_detail.lines is None:
+            # the peak settled now (a scope opening reset it) is this moment: everything alive was there before
+            tracker._peak_detail.lines = {None: tracker._allocated} if tracker._allocated else {}
+        tracker._lines = counter
+    counter.owners.add(id(owner))
     return counter
 
 
-def stop_lines(tracker: Any, counter: LineCounter) -> None:
-    """One scope less wants lines; the last one's end stops them."""
-    if tracker._lines is counter:
-        counter.users -= 1
-        if counter.users <= 0:
+def stop_lines(tracker: Any, owner: object) -> None:
+    """``owner``'s scope no longer wants lines; the last one out stops them."""
+    counter = tracker._lines
+    if counter is not None:
+        counter.owners.discard(id(owner))
+        if not counter.owners:
             tracker._lines = None
 
 

@@ -173,7 +173,6 @@ class MemoryScope:
         self._want_lines = lines
         self._lines: LineCounter | None = None  # the tracker's, while this scope wants lines
         self._lines_from: dict[Any, int] = {}
-        self._lines_stopped = False
         self._show_breakdown = breakdown
         self._recording: Recording | None = None
         self._scope: OpenScope | None = None
@@ -184,6 +183,7 @@ class MemoryScope:
         self._compiled_from: int | None = None  # compiled calls counted before the block (compiled.watch)
         #: torch.compile'd regions the block entered (None: nobody could count them)
         self.compiled_calls: int | None = None
+        self._forced_from = self._compiled_eagerly = 0  # of them, run eagerly by a dispatch-mode scope (this or another)
         self._dynamo_before = False
 
     @property
@@ -232,13 +232,14 @@ class MemoryScope:
                 if self._timeline:
                     self._recording = tracker.start_recording()
                 if self._want_lines:
-                    self._lines = start_lines(tracker)
+                    self._lines = start_lines(tracker, self)
                     self._lines_from = dict(self._lines.allocated)
                 if self.capacity is not None:
                     self._saved_capacity = (tracker.capacity, tracker.capacity_label)
                     self._capacity_set = True
                     tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
             self._dynamo_before = "torch._dynamo" in sys.modules
+            self._forced_from = compiled.forced_count()
             self._compiled_from = compiled.watch(self, eager=self._runs_a_dispatch_mode())
             self._started = time.perf_counter()
             return self
@@ -262,9 +263,8 @@ class MemoryScope:
         if tracker is not None:
             if self._recording is not None:
                 tracker.stop_recording(self._recording)
-            if self._lines is not None and tracker._lines is self._lines and not self._lines_stopped:
-                self._lines_stopped = True
-                stop_lines(tracker, self._lines)
+            if self._want_lines and getattr(tracker, "_lines", None) is not None:
+                stop_lines(tracker, self)  # by owner: also what a start Ctrl-C cut short attached
             if open_before is not None and tracker is not counter:
                 tracker.scopes.close_above(open_before[1])
             if self._capacity_set:
@@ -297,6 +297,7 @@ class MemoryScope:
                 counter.synchronize()  # the wall time includes the GPU work the block queued
             seconds = time.perf_counter() - self._started
             self.compiled_calls = compiled.entered_since(self._compiled_from)
+            self._compiled_eagerly = compiled.forced_count() - self._forced_from
             unseen = 0
             refused = error is not None and issubclass(error if isinstance(error, type) else type(error), torch.OutOfMemoryError)
             if tracker is counter and not isinstance(counter, CudaCounter) and counter.whole_device and not refused:
@@ -359,7 +360,7 @@ class MemoryScope:
         by_line = None
         if self._lines is not None and tracker_scope is not None:
             detail = tracker_scope.peak_detail
-            at_peak = detail.lines if detail is not None and detail.lines is not None else self._lines.snapshot()
+            at_peak = detail.lines if detail is not None and detail.lines is not None else {}
             by_line = line_usage(at_peak, self._lines.allocated, self._lines_from)
         timeline = None
         if tracker is not None and self._recording is not None:
@@ -419,19 +420,25 @@ class MemoryScope:
             ]
         if not calls:
             return None, []
-        if eager:
+        if eager or self._compiled_eagerly:
             compiled.note_seen()  # later "auto" scopes pick the native engine
+            if not eager:  # a scope of the dispatch engine (inside or around this one) was open meanwhile
+                return "eager", [
+                    f"EAGER FIGURES: {self._compiled_eagerly} of the block's {calls} torch.compile'd call(s) ran their "
+                    "eager Python, because a scope with a dispatch mode (tracked mode's dispatch engine, or a "
+                    "tracker alongside a measurement) was open at the same time, nested in this one or around it"
+                ]
             why = (
                 "without --breakdown, --capacity and --timeline, measured mode (the allocator's own counters) sees "
                 "compiled code as it runs"
                 if self.mode == "measured"
-                else "--capacity and --timeline need every op, which only the dispatch engine sees"
-                if self.capacity is not None or self._timeline
+                else "--capacity, --timeline and --lines need every op, which only the dispatch engine sees"
+                if self.capacity is not None or self._timeline or self._want_lines
                 else "the native engine measures compiled code compiled (CPU, engine='native' or %%gpumem --engine native)"
                 if self.device.type == "cpu"
                 else f"on {self.device}, measured mode (the allocator's own counters) sees compiled code as it runs"
             )
-            how = "tracked mode's default engine is" if self.mode == "tracked" else "the tracker alongside the measurement is"
+            how = "tracked mode's dispatch engine is" if self.mode == "tracked" else "the tracker alongside the measurement is"
             return "eager", [
                 f"EAGER FIGURES: the block called torch.compile'd code {calls} time(s), and it ran its eager Python: "
                 f"{how} a dispatch mode, under which PyTorch runs no compiled frame. The "
@@ -469,7 +476,7 @@ def native_engine(mode: str, device: torch.device, capacity: Any, timeline: bool
         raise ValueError(f"engine 'native' tracks the cpu, not {device} ({mode}): drop engine or use backend='tracked', device='cpu'")
     if capacity is not None or timeline or lines:
         wants = "a virtual capacity" if capacity is not None else "a timeline" if timeline else "lines"
-        raise ValueError(f"{wants} needs every op, which only engine 'dispatch' (the default) sees: drop engine='native'")
+        raise ValueError(f"{wants} needs every op, which only engine 'dispatch' sees: drop engine='native'")
     from .native_tracking import native_tracker
 
     return native_tracker()

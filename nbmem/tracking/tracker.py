@@ -263,6 +263,7 @@ class Tracker(Activation):
         remove_global_hooks(self)  # of an attribution an interrupted activation lost track of
         self._attribution = None
         self._mode = None
+        self._lines = None  # no scope is left to want them
 
     def _owns(self, mode: TorchDispatchMode) -> bool:
         return isinstance(mode, TrackingMode) and mode.tracker is self
@@ -488,6 +489,8 @@ class Tracker(Activation):
             if self._peak_detail is not None:
                 self._peak_detail.categories["other"] += size
                 self._peak_detail.modules[module] = self._peak_detail.modules.get(module, 0) + size
+                if self._peak_detail.lines is not None:
+                    self._peak_detail.lines[None] = self._peak_detail.lines.get(None, 0) + size
         else:
             self._grow(size, module)
         self._unfinished -= 1
