@@ -44,21 +44,21 @@ _NOT_THE_USERS = tuple(
     | {path + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_paths().get(key))}
 )
 
-#: code object -> whether its frames are the user's
-_VERDICTS: dict[CodeType, bool] = {}
+#: file name -> whether its frames are the user's (by name: no code object is kept alive)
+_VERDICTS: dict[str, bool] = {}
 
 
 def _is_users(code: CodeType) -> bool:
-    verdict = _VERDICTS.get(code)
+    name = code.co_filename
+    verdict = _VERDICTS.get(name)
     if verdict is None:
-        name = code.co_filename
         verdict = not (
             name.startswith(_NOT_THE_USERS)
             or name.startswith("<frozen")
             or "site-packages" in name
             or "dist-packages" in name
         )
-        _VERDICTS[code] = verdict
+        _VERDICTS[name] = verdict
     return verdict
 
 
