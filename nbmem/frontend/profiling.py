@@ -337,8 +337,11 @@ def profile_notebook(
     if folder is not None:
         try:
             os.makedirs(folder, exist_ok=True)
+            for stale in os.listdir(folder):  # an interrupted run's, named by its own execution counts
+                if stale.startswith("exec-") and stale.endswith(".pickle"):
+                    os.remove(os.path.join(folder, stale))
         except OSError as error:
-            raise ProfileError(f"can't make the snapshot folder {folder!r}: {error}") from None
+            raise ProfileError(f"can't use the snapshot folder {folder!r}: {error}") from None
     if backend not in BACKEND_CHOICES:
         raise ProfileError(f"backend {backend!r} is not known: use one of {', '.join(BACKEND_CHOICES)}")
     if not os.path.exists(path):
