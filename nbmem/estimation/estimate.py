@@ -42,6 +42,7 @@ from .parallel import parallelize, process_group
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name
 from ..core.results import Breakdown
 from ..tracking.compiled import eager_stance
+from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
 from ..tracking.scope import MemoryScope, tracker_alongside_note
 from .step import run_step
 from .tasks import CacheRecord, check_generator, run_generate, run_inference, sized_batch, task_lines, task_notes
@@ -317,22 +318,12 @@ def estimate(
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens,
     )
-    return estimate_plan(model, batch, plan)
-
-
-def compiled_note(mode: str, calls: int) -> str:
-    """What an estimate says when the step called ``torch.compile``'d code."""
-    how = (
-        "as its eager Python (torch.compiler.set_stance('force_eager'): fake tensors can't run compiled kernels)"
-        if mode == "estimated"
-        else "eagerly (PyTorch runs no compiled frame under the tracker's dispatch mode)"
-    )
-    return (
-        f"estimated as eager: the step called torch.compile'd code {calls} time(s), run {how}. Compiled code often "
-        "holds less: inductor's forward and backward held 11-38 % less than eager for an MLP, a CNN and a GPT-2 on "
-        "the CPU (benchmarks/bench_compiled.py) and up to 37 % less on an H100 (2026-11); nbmem.track() measures "
-        "it compiled on the CPU (the native engine)"
-    )
+    try:
+        return estimate_plan(model, batch, plan)
+    except (ValueError, AssertionError, RuntimeError) as error:
+        if not from_bitsandbytes(error):
+            raise
+        raise ValueError(bitsandbytes_message(error, plan.mode)) from error
 
 
 def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan) -> Estimate:
