@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import os
 import random
-import sys
 from typing import Any, Callable
 
 import pytest
@@ -30,7 +29,7 @@ from nbmem.tracking.native import available
 from nbmem.tracking.tracker import default_tracker
 
 from conftest import seeded
-from test_interrupts import NBMEM, _AtLine, _Interrupter, _lines_run, leftovers
+from test_interrupts import NBMEM, _AtLine, _Interrupter, _lines_run, leftovers, run_traced
 
 pytestmark = pytest.mark.interrupts  # skipped under coverage; .ci/run runs them without it (tests/conftest.py)
 TORCH = os.path.dirname(torch.__file__) + os.sep
@@ -114,18 +113,6 @@ def step() -> Callable[..., None]:
     return run
 
 
-def _run_interrupted(trace: Callable[..., Any], cell: Callable[[], None]) -> bool:
-    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
-    sys.settrace(trace)
-    try:
-        cell()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(previous)
-    return False
-
-
 #: The dispatch engine's updates of its records and counters, where Ctrl-C can cut one in two.
 ACCOUNTING = {"_count", "_release", "_resized", "_grow", "drain", "classify"}
 
@@ -140,7 +127,7 @@ def test_an_interrupt_caught_in_the_cell_at_every_line_of_the_accounting_leaves_
     lines = _lines_run(cell, lambda code: code.co_filename == tracking and code.co_name in ACCOUNTING)
     assert len(lines) > 30
     for where in lines:
-        _run_interrupted(_AtLine(where), cell)
+        run_traced(_AtLine(where), cell)
         assert leftovers(step.model) == []
         assert_accounts_are_the_truth(tracker, step.model, where)
 
@@ -171,10 +158,10 @@ def test_seeded_interrupts_across_a_training_step_leave_the_accounts_true(step, 
         cell = lambda: step(engine, catch)  # noqa: E731
         cell()
         counter = _Anywhere(-1)
-        _run_interrupted(counter, cell)
+        run_traced(counter, cell)
         assert counter.events > 1000  # the step's Python: modules, autograd, the optimizer, nbmem
         for target in sorted(rng.sample(range(1, counter.events + 1), seeded(25))):
-            _run_interrupted(_Anywhere(target), cell)
+            run_traced(_Anywhere(target), cell)
             assert leftovers(step.model) == []
             assert_accounts_are_the_truth(tracker, step.model, (target, "caught" if catch else "propagated"))
 
@@ -197,6 +184,6 @@ def test_an_interrupt_at_every_line_of_the_native_walk_leaves_no_dead_block(step
     lines = _lines_run(cell, lambda code: code in walking)
     assert len(lines) > 10
     for where in lines:
-        _run_interrupted(_AtLine(where), cell)
+        run_traced(_AtLine(where), cell)
         assert leftovers(step.model) == []
         assert_accounts_are_the_truth(tracker, step.model, where)

@@ -186,10 +186,10 @@ class _Interrupter:
         return self._line
 
 
-def _interrupted_at(target: int, cell: Callable[[], None]) -> bool:
-    interrupter = _Interrupter(target)
+def run_traced(trace: Callable[..., Any], cell: Callable[[], None]) -> bool:
+    """Run ``cell`` with ``trace`` as the trace function; whether a KeyboardInterrupt ended it."""
     previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
-    sys.settrace(interrupter)
+    sys.settrace(trace)
     try:
         cell()
     except KeyboardInterrupt:
@@ -199,14 +199,13 @@ def _interrupted_at(target: int, cell: Callable[[], None]) -> bool:
     return False
 
 
+def _interrupted_at(target: int, cell: Callable[[], None]) -> bool:
+    return run_traced(_Interrupter(target), cell)
+
+
 def _count_events(cell: Callable[[], None]) -> int:
     counter = _Interrupter(-1)
-    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
-    sys.settrace(counter)
-    try:
-        cell()
-    finally:
-        sys.settrace(previous)
+    run_traced(counter, cell)
     return counter.events
 
 
@@ -356,24 +355,12 @@ def _lines_run(cell: Callable[[], None], wanted: Callable[[Any], bool]) -> list[
 
         return line
 
-    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
-    sys.settrace(note)
-    try:
-        cell()
-    finally:
-        sys.settrace(previous)
+    run_traced(note, cell)
     return lines
 
 
 def _interrupt_at_line(where: tuple[str, int], cell: Callable[[], None]) -> None:
-    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
-    sys.settrace(_AtLine(where))
-    try:
-        cell()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.settrace(previous)
+    run_traced(_AtLine(where), cell)
 
 
 def test_an_interrupt_at_every_line_of_the_magics_cell_path(shell):
@@ -433,14 +420,7 @@ def test_gpumem_on_stops_at_the_next_cell_a_scope_whose_stop_a_ctrl_c_cut_off(sh
             raise KeyboardInterrupt  # as a Ctrl-C taken on stop()'s entry, before its try
         return None
 
-    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
-    sys.settrace(cut_off)
-    try:
-        shell.run_cell("model(torch.ones(1, 4)).sum().backward()")
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.settrace(previous)
+    run_traced(cut_off, lambda: shell.run_cell("model(torch.ones(1, 4)).sum().backward()"))
     assert not armed[0]
     assert leftovers(model) != []  # the scope is still open...
     shell.run_cell("x = 1")  # ...until the next cell begins
