@@ -30,6 +30,7 @@ from torch import nn
 import nbmem
 from _environment import environment, parse_with_threads, write_json
 from bench_overhead import AllocatorEvents
+from gpu_probes import cnn as conv_bn_blocks
 
 MiB = 1024**2
 
@@ -40,13 +41,7 @@ def mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 def cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    layers: list[nn.Module] = []
-    channels = 3
-    for width in (32, 64, 128):
-        layers += [nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
-        channels = width
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
-    return nn.Sequential(*layers), (torch.randn(32, 3, 32, 32),)
+    return conv_bn_blocks((32, 64, 128)), (torch.randn(32, 3, 32, 32),)
 
 
 def gpt() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

@@ -115,10 +115,11 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(), nn.Linear(4096, 1024))
 
 
-def cnn() -> nn.Module:
+def cnn(widths: tuple[int, ...] = (64, 128, 256)) -> nn.Module:
+    """Conv + BatchNorm + ReLU blocks of ``widths`` channels, pooled to 10 classes (bench_compiled.py uses it too)."""
     layers: list[nn.Module] = []
     channels = 3
-    for width in (64, 128, 256):
+    for width in widths:
         layers += [nn.Conv2d(channels, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU()]
         channels = width
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10)]
