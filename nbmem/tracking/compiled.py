@@ -11,7 +11,7 @@ every buffer is counted.
 
 Three things here, each cheap:
 
-- :func:`watch` / :func:`entered_since`: every compiled function or module
+- :func:`watch` / :func:`calls_since`: every compiled function or module
   enters through one Dynamo helper (``eval_frame._callback_from_stance``,
   which turns the compiled callback into the one the current stance wants);
   while a watch is on, a wrapper counts the calls that carry a compiler
@@ -26,7 +26,7 @@ Three things here, each cheap:
 
 >>> owner = object()
 >>> start = watch(owner)      # None here: nothing imported Dynamo yet
->>> entered_since(start) in (None, 0)
+>>> calls_since(start) in (None, (0, 0))
 True
 >>> unwatch(owner)
 """
@@ -40,7 +40,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["watch", "unwatch", "entered_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere"]
+__all__ = ["watch", "unwatch", "calls_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere"]
 
 #: Compiled regions entered while any watch was on, and those of them run eagerly on purpose (only grow).
 _entered = 0
@@ -73,8 +73,8 @@ def _probe(callback: Any) -> Any:
     return _original(callback)
 
 
-def watch(owner: object, *, eager: bool = False) -> int | None:
-    """Count compiled regions entered from now on, for ``owner``; the count to give :func:`entered_since`.
+def watch(owner: object, *, eager: bool = False) -> tuple[int, int] | None:
+    """Count compiled regions entered from now on, for ``owner``; the mark to give :func:`calls_since`.
 
     ``eager``: the owner runs a dispatch mode (tracked mode's dispatch
     engine, a tracker alongside a measurement): compiled code runs eagerly
@@ -92,17 +92,13 @@ def watch(owner: object, *, eager: bool = False) -> int | None:
     if current is not None and current is not _probe:
         _original = current
         frames._callback_from_stance = _probe
-    return _entered if probe_installed() else None
+    return (_entered, _forced) if probe_installed() else None
 
 
-def forced_count() -> int:
-    """How many compiled calls so far ran eagerly because a dispatch mode's scope was open (compare two readings)."""
-    return _forced
-
-
-def entered_since(start: int | None) -> int | None:
-    """Compiled regions entered since :func:`watch` returned ``start``; None if it could not watch."""
-    return None if start is None else _entered - start
+def calls_since(mark: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Compiled regions entered since :func:`watch` gave ``mark``, and how many of them ran eagerly because a
+    dispatch mode's scope (this one's or another's) was open; None if it could not watch."""
+    return None if mark is None else (_entered - mark[0], _forced - mark[1])
 
 
 def unwatch(owner: object) -> None:
@@ -172,7 +168,7 @@ def expects_compiled(code: CodeType | None, *namespaces: Mapping[str, Any]) -> b
     True when compiled code already ran under a tracker here, when the code
     names ``compile`` (``torch.compile(model)``, ``model.compile()``), or when
     a name it uses is bound in ``namespaces`` to something compiled. A guess
-    from names, made before the code runs; :func:`entered_since` says after
+    from names, made before the code runs; :func:`calls_since` says after
     whether compiled code really ran.
 
     >>> expects_compiled(compile("model = torch.compile(net)", "<cell>", "exec"))

@@ -9,7 +9,8 @@ line and the optimizer's to ``optimizer.step()``; a storage that existed before
 goes to ``None`` (alive before the block). The counter keeps live bytes per line
 (taken into the breakdown at each peak, as categories are) and bytes allocated per line.
 
-A stack walk per new storage, with each code object's verdict cached; nothing per op.
+A line is ``(file name, line number)``, or None for storages alive before the block.
+A stack walk per new storage, each file's verdict cached; nothing per op.
 
 >>> counter = LineCounter()
 >>> def made_here():
@@ -32,10 +33,7 @@ import torch
 
 from ..core.results import LineUsage
 
-__all__ = ["LineCounter", "Line", "describe", "usage", "start_lines", "stop_lines"]
-
-#: A line of the user's code: (file name, line number); None for storages alive before the block.
-Line = "tuple[str, int] | None"
+__all__ = ["LineCounter", "describe", "usage", "start_lines", "stop_lines"]
 
 _NBMEM = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(torch.__file__) + os.sep

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -180,10 +179,10 @@ class MemoryScope:
         self._saved_capacity: tuple[int | None, str] = (None, "")
         self._capacity_set = False
         self._started = 0.0
-        self._compiled_from: int | None = None  # compiled calls counted before the block (compiled.watch)
+        self._compiled_from: tuple[int, int] | None = None  # compiled calls counted before the block (compiled.watch)
         #: torch.compile'd regions the block entered (None: nobody could count them)
         self.compiled_calls: int | None = None
-        self._forced_from = self._compiled_eagerly = 0  # of them, run eagerly by a dispatch-mode scope (this or another)
+        self._compiled_eagerly = 0  # of them, run eagerly by a dispatch-mode scope (this one or another)
         self._dynamo_before = False
 
     @property
@@ -239,7 +238,6 @@ class MemoryScope:
                     self._capacity_set = True
                     tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
             self._dynamo_before = "torch._dynamo" in sys.modules
-            self._forced_from = compiled.forced_count()
             self._compiled_from = compiled.watch(self, eager=self._runs_a_dispatch_mode())
             self._started = time.perf_counter()
             return self
@@ -296,8 +294,8 @@ class MemoryScope:
             if isinstance(counter, CudaCounter) and error is None:
                 counter.synchronize()  # the wall time includes the GPU work the block queued
             seconds = time.perf_counter() - self._started
-            self.compiled_calls = compiled.entered_since(self._compiled_from)
-            self._compiled_eagerly = compiled.forced_count() - self._forced_from
+            counted = compiled.calls_since(self._compiled_from)
+            self.compiled_calls, self._compiled_eagerly = counted if counted is not None else (None, 0)
             unseen = 0
             refused = error is not None and issubclass(error if isinstance(error, type) else type(error), torch.OutOfMemoryError)
             if tracker is counter and not isinstance(counter, CudaCounter) and counter.whole_device and not refused:
@@ -459,9 +457,10 @@ class MemoryScope:
         self.stop(exc_type)
 
 
-def _native_for_compiled(mode: str, device: torch.device, tracker: Any, capacity: Any, timeline: bool, expect: bool) -> bool:
-    """Whether an "auto" scope takes the native engine: the block will run compiled code, and it can serve the rest."""
-    if tracker is not None or mode != "tracked" or device.type != "cpu" or capacity is not None or timeline:
+def _native_for_compiled(mode: str, device: torch.device, tracker: Any, capacity: Any, every_op: bool, expect: bool) -> bool:
+    """Whether an "auto" scope takes the native engine: the block will run compiled code, and it can serve the rest
+    (``every_op``: a timeline or lines were asked for, which only the dispatch engine gives)."""
+    if tracker is not None or mode != "tracked" or device.type != "cpu" or capacity is not None or every_op:
         return False
     if not (expect or compiled.seen()):
         return False
