@@ -8,6 +8,7 @@ from torch import nn
 
 import nbmem
 from nbmem.estimation.estimate import estimate, repeated_blocks
+from nbmem.estimation.plan import Plan
 
 
 def mlp():
@@ -203,3 +204,37 @@ def test_fits_needs_every_reserved_segment_to_fit():
     assert "could not reserve a 16.0 MiB segment" in str(tight)
     roomy = estimate(build_one, make_one, batch_size=8, optimizer="sgd", device="1GiB")
     assert roomy.fits is True and roomy.reserve_failed is None
+
+
+def test_the_allocator_settings_change_the_simulated_reserved_figure(monkeypatch):
+    # one 1200 MiB weight (15360 x 20480 fp32, no bias) and a few KiB of activations in a 2 MiB small segment
+    build = lambda: nn.Linear(15360, 20480, bias=False)  # noqa: E731
+    make = lambda n: torch.randn(n, 15360)  # noqa: E731
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    MiB = 1024**2
+
+    def reserved(**keywords):
+        return estimate(build, make, batch_size=1, task="inference", **keywords)
+
+    plain = reserved()
+    assert plain.reserved == (1200 + 2) * MiB
+    assert any("one stream, the allocator's default settings" in note for note in plain.notes)
+    # four steps between 1024 and 2048 MiB: the weight's block is 1280 MiB
+    rounded = reserved(alloc_conf="roundup_power2_divisions:4")
+    assert (rounded.peak, rounded.reserved) == (plain.peak, (1280 + 2) * MiB)
+    assert any("roundup_power2_divisions:4 (from alloc_conf)" in note for note in rounded.notes)
+    # read from the environment when not given, as CUDA would read it
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")
+    from_environment = reserved()
+    assert from_environment.reserved == rounded.reserved
+    assert any("(from PYTORCH_CUDA_ALLOC_CONF)" in note for note in from_environment.notes)
+    assert "allocator roundup_power2_divisions:4" in from_environment.plan.describe()
+
+
+def test_allocator_settings_pytorch_would_refuse_fail_before_anything_runs():
+    build = lambda: nn.Linear(4, 4)  # noqa: E731
+    with pytest.raises(ValueError, match="not a setting PyTorch's allocator knows"):
+        estimate(build, lambda n: torch.randn(n, 4), batch_size=2, alloc_conf="expandable:True")
+    with pytest.raises(ValueError, match="a measured run uses the allocator as this process started it"):
+        Plan(batch_size=2, mode="measured", alloc_conf="expandable_segments:True")

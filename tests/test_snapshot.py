@@ -18,6 +18,7 @@ import pytest
 import nbmem
 from nbmem.core.snapshot import SnapshotError, load_snapshot
 
+MiB = 1024**2
 SNAPSHOTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "2026-11-25-gpu"
 
 # file: (max_memory_allocated, max_memory_reserved, memory_allocated, memory_reserved) printed on the H100
@@ -40,18 +41,37 @@ def test_a_real_snapshot_gives_the_allocators_own_figures(name):
     assert sum(block.size for block in snapshot.blocks()) == result.allocated_after
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "oom"])
+@pytest.mark.parametrize("name", sorted(TRUTH))
 def test_replaying_a_real_trace_through_the_simulation_reserves_the_same_segments(name):
+    # under the settings each snapshot records: mlp-expandable ran with expandable_segments:True
     replay = load_snapshot(SNAPSHOTS / f"snapshot-{name}.pickle").replay()
-    assert replay.exact, str(replay)
+    assert replay.exact and not replay.what_if, str(replay)
     assert replay.simulated_peak_reserved == TRUTH[name][1]
 
 
-def test_expandable_segments_are_said_to_differ():
-    replay = load_snapshot(SNAPSHOTS / "snapshot-mlp-expandable.pickle").replay()
-    assert not replay.exact
-    assert (replay.real_segments, replay.simulated_segments) == (2, 16)
-    assert any("expandable segments" in note for note in replay.notes)
+def test_a_what_if_on_one_real_trace_gives_what_the_other_setting_really_reserved():
+    # the same MLP step ran twice on the H100, with and without expandable segments: each trace, replayed under
+    # the other run's setting, reserves what the other run really did (262,144,000 B = 12 x 20 MiB + 5 x 2 MiB)
+    plain = load_snapshot(SNAPSHOTS / "snapshot-mlp.pickle").replay("expandable_segments:True")
+    assert plain.what_if and (plain.real_settings, plain.simulated_settings) == ("defaults", "expandable_segments:True")
+    assert (plain.simulated_peak_reserved, plain.simulated_segments) == (TRUTH["mlp-expandable"][1], 2)
+    expandable = load_snapshot(SNAPSHOTS / "snapshot-mlp-expandable.pickle").replay("")
+    assert (expandable.simulated_peak_reserved, expandable.simulated_segments) == (TRUTH["mlp"][1], 16)
+    assert "what if: the same allocations under expandable_segments:True (the real run: defaults)" in str(plain)
+
+
+def test_trying_settings_on_a_trace_is_a_table():
+    table = load_snapshot(SNAPSHOTS / "snapshot-cnn.pickle").try_settings("", "expandable_segments:True",
+                                                                          "garbage_collection_threshold:0.8")
+    rows = {settings: (allocated, peak) for settings, allocated, peak, _, _ in table.rows()}
+    assert rows["defaults"] == (TRUTH["cnn"][0], TRUTH["cnn"][1])  # the recorded settings: the real figures
+    assert rows["expandable_segments:True"][1] == 6 * 20 * MiB + 1 * 2 * MiB  # 127,926,272 B in pages
+    text = str(table)
+    assert "peak reserved" in text and "acts only under torch.cuda.set_per_process_memory_fraction" in text
+    with pytest.raises(ValueError, match="not a setting PyTorch's allocator knows"):
+        load_snapshot(SNAPSHOTS / "snapshot-cnn.pickle").try_settings("expandable:True")
+    with pytest.raises(ValueError, match="at least one"):
+        load_snapshot(SNAPSHOTS / "snapshot-cnn.pickle").try_settings()
 
 
 def test_an_out_of_memory_trace_is_a_failed_result_that_says_what_was_asked():
@@ -229,3 +249,109 @@ def test_an_export_with_an_empty_storage_and_what_it_says_it_is(tmp_path):
 def test_a_snapshot_with_the_keys_but_not_the_contents_says_so(contents):
     with pytest.raises(SnapshotError, match="has a snapshot's keys but not its contents"):
         load_snapshot(io.BytesIO(pickle.dumps(contents)))
+
+
+# -- measured on CUDA: PyTorch's own history (untested on CUDA hardware; PyTorch's calls stood in for) --------
+
+
+class FakeHistory:
+    """Stands in for torch.cuda.memory's history calls: records what nbmem asked, writes a one-event snapshot."""
+
+    def __init__(self, monkeypatch, already_on=False, dump_fails=False):
+        import torch
+
+        self.calls, self.on, self.dump_fails = [], already_on, dump_fails
+        monkeypatch.setattr(torch._C, "_cuda_isHistoryEnabled", lambda: self.on, raising=False)
+        monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", self.record)
+        monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", self.dump)
+
+    def record(self, enabled="all", **options):
+        self.calls.append(("record", enabled))
+        self.on = enabled is not None
+
+    def dump(self, filename):
+        self.calls.append(("dump", self.on))
+        if self.dump_fails:
+            raise OSError(f"can't write {filename}")
+        trace = [{"action": "alloc", "addr": 0, "size": 512, "stream": 0, "time_us": 1, "frames": []}]
+        with open(filename, "wb") as file:
+            pickle.dump({"segments": [], "device_traces": [trace]}, file)
+
+
+def test_the_allocator_history_is_dumped_before_recording_stops(monkeypatch, tmp_path):
+    from nbmem.tracking.history import AllocatorHistory
+
+    fake = FakeHistory(monkeypatch)
+    with AllocatorHistory(tmp_path / "a.pickle") as history:
+        assert fake.on
+    # dumped while still recording (turning it off clears PyTorch's record), then turned off
+    assert fake.calls == [("record", "all"), ("dump", True), ("record", None)] and not fake.on
+    assert history.written and load_snapshot(tmp_path / "a.pickle").result().peak_allocated == 512
+
+    fake = FakeHistory(monkeypatch, already_on=True)  # the user records already: nbmem leaves it on
+    with AllocatorHistory(tmp_path / "b.pickle"):
+        pass
+    assert fake.calls == [("dump", True)] and fake.on
+
+
+def test_a_failed_block_still_gets_its_snapshot_and_recording_stops(monkeypatch, tmp_path):
+    from nbmem.tracking.history import AllocatorHistory
+
+    fake = FakeHistory(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        with AllocatorHistory(tmp_path / "c.pickle"):
+            raise KeyboardInterrupt
+    assert fake.calls == [("record", "all"), ("dump", True), ("record", None)]
+    fake = FakeHistory(monkeypatch, dump_fails=True)
+    with pytest.raises(ZeroDivisionError):  # the block's error, not the dump's
+        with AllocatorHistory(tmp_path / "d.pickle"):
+            1 / 0
+    assert not fake.on
+    fake = FakeHistory(monkeypatch, dump_fails=True)
+    with pytest.raises(OSError, match="can't write"):  # the block ran well: why its snapshot is missing
+        with AllocatorHistory(tmp_path / "e.pickle"):
+            pass
+    assert not fake.on
+
+
+@pytest.fixture
+def measured_here(monkeypatch):
+    """The magic decides it measures on CUDA (its scope still tracks here, on the CPU)."""
+    import torch
+
+    import nbmem.frontend.cell_snapshots as cell_snapshots
+    import nbmem.frontend.magics as magics
+
+    for module in (magics, cell_snapshots):
+        monkeypatch.setattr(module, "resolve_backend", lambda backend, device: ("measured", torch.device("cuda", 0)))
+
+
+def test_measured_the_magic_writes_pytorchs_own_snapshot(shell, monkeypatch, tmp_path, measured_here):
+    fake = FakeHistory(monkeypatch)
+    path = tmp_path / "cell.pickle"
+    assert shell.run_cell(f"%%gpumem -q --snapshot {path}\nx = 1").success
+    assert fake.calls == [("record", "all"), ("dump", True), ("record", None)]
+    assert load_snapshot(path).source is None  # PyTorch's file, not nbmem's export
+
+
+def test_measured_a_failing_cell_still_writes_its_snapshot(shell, monkeypatch, tmp_path, measured_here, capsys):
+    fake = FakeHistory(monkeypatch)
+    path = tmp_path / "failed.pickle"
+    result = shell.run_cell(f"%%gpumem --snapshot {path}\nraise MemoryError('stand-in')")
+    assert not result.success and isinstance(result.error_in_exec, MemoryError)
+    assert fake.calls == [("record", "all"), ("dump", True), ("record", None)] and path.exists()
+    assert "the failed cell's snapshot written to" in capsys.readouterr().out
+
+
+def test_measured_every_cell_writes_each_cells_snapshot(shell, monkeypatch, tmp_path, measured_here):
+    from nbmem.frontend.magics import log_every_cell
+
+    fake = FakeHistory(monkeypatch)
+    log_every_cell(shell, str(tmp_path / "log.jsonl"), backend="auto", snapshots=str(tmp_path))
+    try:
+        shell.run_cell("y = 2", store_history=True)
+        count = shell.execution_count - 1
+    finally:
+        shell.run_cell("%gpumem off")
+    assert (tmp_path / f"exec-{count}.pickle").exists()
+    assert fake.calls[:3] == [("record", "all"), ("dump", True), ("record", None)] and not fake.on

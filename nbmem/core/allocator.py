@@ -4,19 +4,28 @@ Allocated bytes say what tensors hold; reserved bytes (what ``nvidia-smi``
 mostly shows) also include freed blocks the allocator caches for reuse and the
 unused tails of its segments. The rules, from c10/cuda/CUDACachingAllocator.cpp:
 
-- every request is rounded up to a multiple of 512 B (kMinBlockSize);
+- every request is rounded up to a multiple of 512 B (kMinBlockSize), or with
+  ``roundup_power2_divisions`` to the next of N steps between powers of two;
 - requests of at most 1 MiB (kSmallSize) come from the small pool, whose
   segments are 2 MiB (kSmallBuffer); larger ones from the large pool, whose
   segments are 20 MiB (kLargeBuffer) for requests under 10 MiB (kMinLargeAlloc)
   and the request rounded up to 2 MiB (kRoundLarge) otherwise;
 - a request takes the smallest cached free block of its pool that fits (best
-  fit), split when the rest is at least 512 B (small pool) or more than 1 MiB
-  (large pool); a freed block merges with free neighbours in its segment;
-- when a new segment would not fit the device, whole free segments are
-  released first (release_cached_blocks) and the request retried.
+  fit), split when the rest is at least 512 B (small pool, or any pool with
+  expandable segments) or more than 1 MiB (large pool) and the request is under
+  ``max_split_size``; blocks of ``max_split_size`` or more serve only requests of
+  that size or more, and only within ``max_non_split_rounding`` (20 MiB) of it;
+  a freed block merges with free neighbours in its segment;
+- with expandable segments there is one segment per pool, mapped in pages
+  (2 MiB small, 20 MiB large) at its lowest free address as it grows;
+- when no cached block fits: old cached segments are freed first if a
+  ``garbage_collection_threshold`` and a per-process memory fraction are set;
+  then a new segment; if the device (or the fraction) can't give it, cached
+  oversize blocks are freed (release_available_cached_blocks), then every whole
+  free segment and every free page (release_cached_blocks), and it is retried.
 
-Not simulated: streams (one stream assumed), expandable segments, the
-max_split_size and garbage-collection settings of PYTORCH_CUDA_ALLOC_CONF.
+Settings come from :mod:`nbmem.core.allocator_settings`. Not simulated: streams
+(one stream assumed), CUDA graph pools, the cudaMallocAsync backend.
 """
 
 from __future__ import annotations
@@ -24,10 +33,11 @@ from __future__ import annotations
 import bisect
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
-from .units import round_allocation
+from .allocator_settings import UNLIMITED, AllocatorSettings
 
-__all__ = ["CachingAllocatorSimulation", "segment_size"]
+__all__ = ["CachingAllocatorSimulation", "segment_size", "round_request"]
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -35,6 +45,8 @@ SMALL_BUFFER = 2 << 20
 LARGE_BUFFER = 20 << 20
 MIN_LARGE_ALLOC = 10 << 20
 ROUND_LARGE = 2 << 20
+#: An expandable segment reserves address space, not memory: 1 1/8 of the device (64 TiB with no capacity given).
+_NO_CAPACITY_ADDRESS_SPACE = 1 << 46
 
 
 def segment_size(request: int) -> int:
@@ -50,6 +62,32 @@ def segment_size(request: int) -> int:
     return -(-request // ROUND_LARGE) * ROUND_LARGE
 
 
+def round_request(nbytes: int, settings: AllocatorSettings | None = None) -> int:
+    """The block size the allocator gives a request of ``nbytes`` (round_size).
+
+    >>> round_request(4), round_request(1200 << 20)      # 512 B steps by default
+    (512, 1258291200)
+    >>> from nbmem.core.allocator_settings import parse_alloc_conf
+    >>> round_request(1200 << 20, parse_alloc_conf("roundup_power2_divisions:4")) >> 20   # 1024, 1280, 1536, 1792 MiB
+    1280
+    """
+    if nbytes <= 0:
+        return 0
+    if nbytes < MIN_BLOCK:
+        return MIN_BLOCK
+    divisions = settings.divisions(nbytes) if settings is not None else 0
+    if divisions > 1 and nbytes > MIN_BLOCK * divisions:
+        if nbytes & (nbytes - 1) == 0:
+            return nbytes
+        floor = 1 << (nbytes.bit_length() - 1)
+        step = floor >> (divisions.bit_length() - 1)
+        if step == 0:
+            return floor << 1
+        rounded = nbytes & ~(step - 1)
+        return nbytes if rounded == nbytes else rounded + step
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+
+
 @dataclass(eq=False)
 class _Block:
     segment: "_Segment"
@@ -58,14 +96,21 @@ class _Block:
     allocated: bool = False
     previous: "_Block | None" = None
     next: "_Block | None" = None
+    #: False for the unmapped address space of an expandable segment
+    mapped: bool = True
+    #: the pool's free-block searches when this block was cached (its age, for garbage collection)
+    age_base: int = 0
 
 
 @dataclass(eq=False)
 class _Segment:
+    #: bytes reserved: a cudaMalloc's size, or what an expandable segment has mapped
     size: int
     small: bool
     number: int
     first: _Block | None = None
+    #: an expandable segment's page (bytes mapped at a time); 0 for a cudaMalloc segment
+    page: int = 0
 
 
 @dataclass
@@ -83,27 +128,56 @@ class CachingAllocatorSimulation:
     #: (strict), or note it in ``overflow`` and reserve it anyway (to keep counting).
     strict: bool = True
     overflow: int | None = None
+    settings: AllocatorSettings = field(default_factory=AllocatorSettings)
+    #: torch.cuda.set_per_process_memory_fraction's cap, in bytes (None: not set); the
+    #: garbage_collection_threshold acts only under it, as in PyTorch
+    allowed_memory: int | None = None
     allocated: int = 0
     reserved: int = 0
     peak_allocated: int = 0
     peak_reserved: int = 0
     _blocks: dict[object, _Block] = field(default_factory=dict)
-    # small? -> sorted (size, segment number, offset, block)
+    # small? -> sorted (size, segment number, offset, block): the cached free blocks
     _free: dict[bool, list[tuple[int, int, int, _Block]]] = field(default_factory=lambda: {True: [], False: []})
+    # small? -> sorted (segment number, offset, block): expandable segments' unmapped address space
+    _unmapped: dict[bool, list[tuple[int, int, _Block]]] = field(default_factory=lambda: {True: [], False: []})
     _segments: list[_Segment] = field(default_factory=list)
     _numbers: itertools.count[int] = field(default_factory=itertools.count)
+    _searches: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
 
     def malloc(self, key: object, nbytes: int) -> None:
-        """Allocate ``nbytes`` for ``key``; raises MemoryError past ``capacity``."""
-        size = round_allocation(nbytes)
+        """Allocate ``nbytes`` (as requested) for ``key``; raises MemoryError past ``capacity`` when strict."""
+        size = round_request(nbytes, self.settings)
         if size == 0:
             return
         small = size <= SMALL_SIZE
-        block = self._best_fit(small, size)
+        block = self._get_free_block(small, size)
         if block is None:
-            block = self._new_segment(small, size)
+            if self.allowed_memory is not None and self.settings.garbage_collection_threshold > 0:
+                self._garbage_collect()
+            block = self._alloc_block(small, size)
+            if block is None and self._release_available(small, size):
+                block = self._alloc_block(small, size)
+            if block is None:
+                self.empty_cache()
+                block = self._alloc_block(small, size)
+            if block is None:
+                wanted = segment_size(size)
+                if self.strict:
+                    raise MemoryError(
+                        f"the simulated allocator needs a {wanted} B segment with {self.reserved} B reserved "
+                        f"of {self.allowed_memory if self.allowed_memory is not None else self.capacity} B"
+                    )
+                if self.overflow is None:
+                    self.overflow = wanted  # the first segment that could not be reserved
+                block = self._alloc_block(small, size, force=True)
+                assert block is not None
         remaining = block.size - size
-        if (small and remaining >= MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+        if small or self.settings.expandable_segments:
+            split = remaining >= MIN_BLOCK
+        else:
+            split = size < self.settings.max_split_size and remaining > SMALL_SIZE
+        if split:
             rest = _Block(block.segment, block.offset + size, remaining, previous=block, next=block.next)
             if block.next is not None:
                 block.next.previous = rest
@@ -120,69 +194,254 @@ class CachingAllocatorSimulation:
             return
         block.allocated = False
         self.allocated -= block.size
-        for neighbour in (block.previous, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                self._uncache(neighbour)
-        # merge with free neighbours (as free_block / try_merge_blocks)
-        while block.previous is not None and not block.previous.allocated:
-            previous = block.previous
-            previous.size += block.size
-            previous.next = block.next
-            if block.next is not None:
-                block.next.previous = previous
-            block = previous
-        while block.next is not None and not block.next.allocated:
-            following = block.next
-            block.size += following.size
-            block.next = following.next
-            if following.next is not None:
-                following.next.previous = block
+        self._merge(block, block.previous)
+        self._merge(block, block.next)
         self._cache(block)
 
-    # -- pools -----------------------------------------------------------------
+    def empty_cache(self) -> None:
+        """Give back every whole free segment and every free page of expandable ones (release_cached_blocks)."""
+        for small in (False, True):
+            expandable = []
+            for *_, block in list(self._free[small]):
+                if block.segment.page:
+                    expandable.append(block)
+                elif block.previous is None and block.next is None:
+                    self._release_segment(block)
+            for block in expandable:
+                self._unmap(block)
+                if block.previous is None and block.next is None:  # nothing mapped: the segment goes
+                    self._remove(self._unmapped[small], (block.segment.number, block.offset), block)
+                    self._segments.remove(block.segment)
 
-    def _cache(self, block: _Block) -> None:
-        bisect.insort(self._free[block.segment.small], (block.size, block.segment.number, block.offset, block))
+    # -- finding a block ---------------------------------------------------------
 
-    def _uncache(self, block: _Block) -> None:
-        entries = self._free[block.segment.small]
-        index = bisect.bisect_left(entries, (block.size, block.segment.number, block.offset))
-        while index < len(entries) and entries[index][3] is not block:
-            index += 1
-        if index < len(entries):
-            del entries[index]
-
-    def _best_fit(self, small: bool, size: int) -> _Block | None:
+    def _get_free_block(self, small: bool, size: int) -> _Block | None:
+        if self.allowed_memory is not None and self.settings.garbage_collection_threshold > 0:
+            self._searches[small] += 1
         entries = self._free[small]
         index = bisect.bisect_left(entries, (size, -1, -1))
         if index == len(entries):
             return None
-        return entries.pop(index)[3]
+        block = entries[index][3]
+        if block.segment.page:
+            if self.settings.expandable_segments:
+                # a block that can grow into unmapped space counts as that large for best fit
+                while (block.segment.page and index + 1 < len(entries)
+                       and _expandable_size(entries[index + 1][3]) < _expandable_size(block)):
+                    index += 1
+                    block = entries[index][3]
+            else:  # expandable segments turned off since: only cudaMalloc'd blocks serve
+                index += 1
+                while index < len(entries) and entries[index][3].segment.page:
+                    index += 1
+                if index == len(entries):
+                    return None
+                block = entries[index][3]
+        oversize = self.settings.max_split_size
+        if size < oversize <= block.size:
+            return None  # never an oversize block for a request under max_split_size
+        if size >= oversize and block.size >= size + self.settings.max_non_split_rounding:
+            return None  # an oversize block serves only requests near its size
+        del entries[index]
+        return block
 
-    def _new_segment(self, small: bool, size: int) -> _Block:
+    def _alloc_block(self, small: bool, size: int, force: bool = False) -> _Block | None:
         wanted = segment_size(size)
-        if self.capacity is not None and self.reserved + wanted > self.capacity:
-            self._release_free_segments()
-            if self.reserved + wanted > self.capacity:
-                if self.strict:
-                    raise MemoryError(
-                        f"the simulated allocator needs a {wanted} B segment with {self.reserved} B reserved "
-                        f"of {self.capacity} B"
-                    )
-                if self.overflow is None:
-                    self.overflow = wanted  # the first segment that could not be reserved
+        if not force and self.allowed_memory is not None and self.reserved + wanted > self.allowed_memory:
+            return None
+        if self.settings.expandable_segments:
+            return self._expandable_block(small, size, force)
+        if not force and self.capacity is not None and self.reserved + wanted > self.capacity:
+            return None
         segment = _Segment(wanted, small, next(self._numbers))
         block = _Block(segment, 0, wanted)
         segment.first = block
         self._segments.append(segment)
-        self.reserved += wanted
-        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self._grow(wanted)
         return block
 
-    def _release_free_segments(self) -> None:
-        for segment in list(self._segments):
-            block = segment.first
-            if block is not None and not block.allocated and block.next is None and block.size == segment.size:
-                self._uncache(block)
-                self._segments.remove(segment)
-                self.reserved -= segment.size
+    # -- expandable segments -----------------------------------------------------
+
+    def _expandable_block(self, small: bool, size: int, force: bool) -> _Block | None:
+        """try_allocate_expandable_block: map pages at the lowest address with room, merged into one free block."""
+        candidate = self._find_expandable(small, size)
+        if not candidate.mapped and not self._map(candidate, min(candidate.size, size), force):
+            return None
+        while candidate.size < size:
+            following = candidate.next
+            assert following is not None and not following.mapped
+            if not self._map(following, min(size - candidate.size, following.size), force):
+                return None
+            candidate = following  # it absorbed the free block before it
+        self._uncache(candidate)
+        return candidate
+
+    def _find_expandable(self, small: bool, size: int) -> _Block:
+        walk: _Block | None
+        for _, _, block in self._unmapped[small]:
+            start = block.previous if block.previous is not None and not block.previous.allocated else block
+            room, walk = 0, start
+            while room < size and walk is not None and not walk.allocated:
+                room += walk.size
+                walk = walk.next
+            if room >= size:
+                return start
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        space = _NO_CAPACITY_ADDRESS_SPACE if self.capacity is None else self.capacity + self.capacity // 8
+        segment = _Segment(0, small, next(self._numbers), page=page)
+        block = _Block(segment, 0, -(-space // page) * page, mapped=False)
+        segment.first = block
+        self._segments.append(segment)
+        bisect.insort(self._unmapped[small], (segment.number, 0, block))
+        return block
+
+    def _map(self, block: _Block, size: int, force: bool) -> bool:
+        page = block.segment.page
+        mapped = min((-(-(block.offset + size) // page) - block.offset // page) * page, block.size)
+        if not force and self.capacity is not None and self.reserved + mapped > self.capacity:
+            return False
+        self._remove(self._unmapped[block.segment.small], (block.segment.number, block.offset), block)
+        block.mapped = True
+        if mapped < block.size:
+            rest = _Block(block.segment, block.offset + mapped, block.size - mapped, mapped=False,
+                          previous=block, next=block.next)
+            if block.next is not None:
+                block.next.previous = rest
+            block.next, block.size = rest, mapped
+            bisect.insort(self._unmapped[block.segment.small], (rest.segment.number, rest.offset, rest))
+        self._merge(block, block.previous)
+        self._merge(block, block.next)
+        self._cache(block)
+        block.segment.size += mapped
+        self._grow(mapped)
+        return True
+
+    def _unmap(self, block: _Block) -> None:
+        """unmap_block: give back the whole pages inside a free block; the ragged ends stay mapped and cached."""
+        segment, page = block.segment, block.segment.page
+        start = -(-block.offset // page) * page
+        stop = (block.offset + block.size) // page * page
+        if start >= stop:
+            return
+        self._uncache(block)
+        if start > block.offset:
+            before = _Block(segment, block.offset, start - block.offset, previous=block.previous, next=block)
+            if block.previous is not None:
+                block.previous.next = before
+            else:
+                segment.first = before
+            block.previous = before
+            self._cache(before)
+        if stop < block.offset + block.size:
+            after = _Block(segment, stop, block.offset + block.size - stop, previous=block, next=block.next)
+            if block.next is not None:
+                block.next.previous = after
+            block.next = after
+            self._cache(after)
+        block.offset, block.size, block.mapped = start, stop - start, False
+        self._merge(block, block.previous)
+        self._merge(block, block.next)
+        bisect.insort(self._unmapped[segment.small], (segment.number, block.offset, block))
+        segment.size -= stop - start
+        self.reserved -= stop - start
+
+    # -- giving memory back ------------------------------------------------------
+
+    def _release_available(self, small: bool, size: int) -> bool:
+        """release_available_cached_blocks: free cached oversize blocks (only with a max_split_size)."""
+        oversize = self.settings.max_split_size
+        if oversize == UNLIMITED:
+            return False
+        wanted = max(size, oversize)
+        entries = self._free[small]
+        index = bisect.bisect_left(entries, (wanted, -1, -1))
+        if index < len(entries):
+            return self._release_segment(entries[index][3])
+        released, index = 0, index - 1
+        while index >= 0 and released < wanted and entries[index][3].size >= oversize:
+            block = entries[index][3]
+            if self._release_segment(block):
+                released += block.size
+            index -= 1
+        return released >= wanted
+
+    def _garbage_collect(self) -> None:
+        """garbage_collect_cached_blocks: free whole cached large segments, oldest (least reused) first."""
+        assert self.allowed_memory is not None
+        threshold = int(self.settings.garbage_collection_threshold * self.allowed_memory)
+        if self.reserved <= threshold:
+            return
+        target, reclaimed = self.reserved - threshold, 0
+
+        def freeable() -> list[_Block]:
+            return [entry[3] for entry in self._free[False]
+                    if not entry[3].segment.page and entry[3].previous is None and entry[3].next is None]
+
+        ages = {id(block): self._searches[False] - block.age_base for block in freeable()}
+        total, count = sum(ages.values()), len(ages)
+        freed = True
+        while reclaimed < target and freed and count > 0:
+            average, freed = total / count, False
+            for block in freeable():
+                if ages[id(block)] >= average:
+                    freed = True
+                    reclaimed += block.size
+                    total -= ages[id(block)]
+                    count -= 1
+                    self._release_segment(block)
+
+    def _release_segment(self, block: _Block) -> bool:
+        """cudaFree a cached block that is a whole cudaMalloc'd segment (release_block)."""
+        if block.segment.page or block.previous is not None or block.next is not None:
+            return False
+        self._uncache(block)
+        self._segments.remove(block.segment)
+        self.reserved -= block.segment.size
+        return True
+
+    # -- pools -------------------------------------------------------------------
+
+    def _grow(self, nbytes: int) -> None:
+        self.reserved += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def _merge(self, block: _Block, neighbour: _Block | None) -> None:
+        """try_merge_blocks: ``block`` absorbs a free neighbour of the same kind (mapped or not)."""
+        if neighbour is None or neighbour.allocated or neighbour.mapped != block.mapped:
+            return
+        if neighbour.mapped:
+            self._uncache(neighbour)
+        else:
+            self._remove(self._unmapped[neighbour.segment.small], (neighbour.segment.number, neighbour.offset), neighbour)
+        if neighbour is block.previous:
+            block.offset, block.previous = neighbour.offset, neighbour.previous
+            if block.previous is not None:
+                block.previous.next = block
+            else:
+                block.segment.first = block
+        else:
+            block.next = neighbour.next
+            if neighbour.next is not None:
+                neighbour.next.previous = block
+        block.size += neighbour.size
+
+    def _cache(self, block: _Block) -> None:
+        block.age_base = self._searches[block.segment.small]
+        bisect.insort(self._free[block.segment.small], (block.size, block.segment.number, block.offset, block))
+
+    def _uncache(self, block: _Block) -> None:
+        self._remove(self._free[block.segment.small], (block.size, block.segment.number, block.offset), block)
+
+    @staticmethod
+    def _remove(entries: list[Any], prefix: tuple[int, ...], block: _Block) -> None:
+        index = bisect.bisect_left(entries, prefix)
+        while index < len(entries) and entries[index][-1] is not block:
+            index += 1
+        if index < len(entries):
+            del entries[index]
+
+
+def _expandable_size(block: _Block) -> int:
+    """A cached block's size for best fit when expandable: with the unmapped space right after it."""
+    following = block.next
+    return block.size + (following.size if following is not None and not following.mapped else 0)

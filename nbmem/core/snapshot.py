@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from .allocator import CachingAllocatorSimulation
+from .allocator_settings import AllocatorSettings, parse_alloc_conf, resolve_alloc_conf, settings_from_snapshot
 from .results import MemoryResult
 from .units import format_bytes, round_allocation
 
-__all__ = ["load_snapshot", "Snapshot", "SnapshotBlock", "Replay", "SnapshotError"]
+__all__ = ["load_snapshot", "Snapshot", "SnapshotBlock", "Replay", "SettingsTable", "SnapshotError"]
 
 _PLAIN = (dict, list, str, int, float, bool, type(None))
 
@@ -86,6 +87,16 @@ class Replay:
     real_peak_reserved: int
     simulated_peak_reserved: int
     notes: tuple[str, ...] = ()
+    #: the allocator settings of the real run (as the snapshot records them) and of the simulation
+    real_settings: str = "defaults"
+    simulated_settings: str = "defaults"
+    #: the simulation's allocated peak (blocks as its settings round them; the real one is the snapshot's)
+    simulated_peak_allocated: int = 0
+
+    @property
+    def what_if(self) -> bool:
+        """Whether the simulation ran under other settings than the real allocator (a what-if, not a check)."""
+        return self.real_settings != self.simulated_settings
 
     @property
     def exact(self) -> bool:
@@ -95,14 +106,51 @@ class Replay:
         )
 
     def __str__(self) -> str:
-        verdict = "the same" if self.exact else "different"
+        if self.what_if:
+            head = (f"what if: the same allocations under {self.simulated_settings} "
+                    f"(the real run: {self.real_settings})\n")
+        else:
+            head = f"replay through nbmem's allocator simulation: {'the same' if self.exact else 'different'}\n"
         return (
-            f"replay through nbmem's allocator simulation: {verdict}\n"
+            head +
             f"  segments now   real {self.real_segments}, simulated {self.simulated_segments}\n"
             f"  reserved now   real {format_bytes(self.real_reserved)}, simulated {format_bytes(self.simulated_reserved)}\n"
             f"  reserved peak  real {format_bytes(self.real_peak_reserved)}, simulated {format_bytes(self.simulated_peak_reserved)}"
             + "".join(f"\n  note: {note}" for note in self.notes)
         )
+
+
+@dataclass(frozen=True)
+class SettingsTable:
+    """One trace replayed under several allocator settings: peak and final reserved, segments, beside the real run."""
+
+    name: str
+    peak_allocated: int
+    real_peak_reserved: int
+    real_settings: str
+    replays: tuple[Replay, ...]
+
+    def rows(self) -> list[tuple[str, int, int, int, int]]:
+        """Per setting tried: (settings, peak allocated, peak reserved, reserved at the end, segments at the end)."""
+        return [(replay.simulated_settings, replay.simulated_peak_allocated, replay.simulated_peak_reserved,
+                 replay.simulated_reserved, replay.simulated_segments) for replay in self.replays]
+
+    def __str__(self) -> str:
+        width = max(len("settings"), *(len(row[0]) for row in self.rows()))
+        lines = [
+            f"{self.name}: the same allocations under other allocator settings (simulated by nbmem)",
+            f"  {'settings':<{width}}  {'peak allocated':>14}  {'peak reserved':>13}  {'at the end':>10}  segments",
+        ]
+        lines += [f"  {settings:<{width}}  {format_bytes(allocated):>14}  {format_bytes(peak):>13}  {format_bytes(end):>10}  "
+                  f"{segments:>8}" for settings, allocated, peak, end, segments in self.rows()]
+        lines.append(f"  the real run ({self.real_settings or 'defaults'}): {format_bytes(self.peak_allocated)} allocated, "
+                     f"{format_bytes(self.real_peak_reserved)} reserved at the peak (measured)")
+        notes = dict.fromkeys(note for replay in self.replays for note in replay.notes)
+        lines += [f"  note: {note}" for note in notes]
+        return "\n".join(lines)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
 
 
 def load_snapshot(source: str | os.PathLike[str] | IO[bytes], device: int | None = None) -> "Snapshot":
@@ -365,27 +413,55 @@ class Snapshot:
         figure.axes[0].set_xlabel(f"allocator event ({len(rows) - 1} allocations and frees)")
         return figure
 
-    def replay(self) -> Replay:
-        """Run the trace's allocations and frees through :class:`~nbmem.core.allocator.CachingAllocatorSimulation`."""
+    def replay(self, alloc_conf: str | AllocatorSettings | None = None) -> Replay:
+        """Run the trace's allocations and frees through :class:`~nbmem.core.allocator.CachingAllocatorSimulation`.
+
+        With no ``alloc_conf``, under the settings the snapshot recorded (how
+        exactly the simulation reproduces the real allocator); with one (a
+        PYTORCH_ALLOC_CONF string such as ``"expandable_segments:True"``), what
+        the same allocations would have reserved under those settings instead.
+        """
+        recorded = settings_from_snapshot(self.settings)
+        settings = recorded if alloc_conf is None else resolve_alloc_conf(alloc_conf)
         notes = []
         if self.allocated_at_start:
             notes.append(f"{format_bytes(self.allocated_at_start)} was allocated before recording began: not replayed")
-        if self.settings.get("expandable_segments") or any(segment.get("is_expandable") for segment in self._segments):
-            notes.append("expandable segments: the simulation models fixed cudaMalloc segments only, so they differ")
-        simulation = CachingAllocatorSimulation()
+        if settings.backend != "native":
+            notes.append(f"backend:{settings.backend} is not simulated: the native caching allocator's rules were used")
+        if settings.garbage_collection_threshold:
+            notes.append("garbage_collection_threshold acts only under torch.cuda.set_per_process_memory_fraction, "
+                         "which a snapshot does not record: not applied")
+        simulation = CachingAllocatorSimulation(settings=settings)
         for entry in self._trace:
             action = entry.get("action")
             if action == "alloc":
-                simulation.malloc(entry.get("addr"), round_allocation(int(entry.get("size", 0))))
+                simulation.malloc(entry.get("addr"), int(entry.get("size", 0)))
             elif action == "free_completed":
                 simulation.free(entry.get("addr"))
             elif action in ("segment_free", "segment_unmap"):
-                simulation._release_free_segments()  # emptied cache (empty_cache, or an OOM's retry): the real one gave back
+                simulation.empty_cache()  # emptied cache (empty_cache, or an OOM's retry): the real one gave back
         return Replay(
-            real_segments=len(self._segments), simulated_segments=len(simulation._segments),
+            real_segments=len(self._segments), simulated_segments=sum(1 for segment in simulation._segments if segment.size),
             real_reserved=self.reserved, simulated_reserved=simulation.reserved,
             real_peak_reserved=self.peak_reserved, simulated_peak_reserved=simulation.peak_reserved, notes=tuple(notes),
+            real_settings=str(recorded) or "defaults", simulated_settings=str(settings) or "defaults",
+            simulated_peak_allocated=simulation.peak_allocated,
         )
+
+    def try_settings(self, *alloc_confs: str) -> SettingsTable:
+        """This trace replayed under each of several allocator settings, side by side ("" is PyTorch's defaults).
+
+        Example::
+
+            print(snapshot.try_settings("", "expandable_segments:True", "max_split_size_mb:64"))
+        """
+        if not alloc_confs:
+            raise ValueError('try_settings needs at least one PYTORCH_ALLOC_CONF string, e.g. '
+                             'snapshot.try_settings("", "expandable_segments:True")')
+        replays = [self.replay(parse_alloc_conf(text, source="try_settings") if text else AllocatorSettings())
+                   for text in alloc_confs]
+        return SettingsTable(self.name, self.peak_allocated, self.peak_reserved, str(settings_from_snapshot(self.settings)),
+                             tuple(replays))
 
     def __str__(self) -> str:
         lines = [str(self.result())]

@@ -232,6 +232,7 @@ def estimate(
     task: str = "train",
     prompt_length: int | None = None,
     new_tokens: int | None = None,
+    alloc_conf: Any = None,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -316,7 +317,7 @@ def estimate(
         precision=precision, checkpointing=checkpointing, accumulation=accumulation, foreach=foreach, device=device,
         mode=mode, enforce_capacity=enforce_capacity, parallel=parallel, world_size=world_size, rank=rank, step=step,
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
-        new_tokens=new_tokens,
+        new_tokens=new_tokens, alloc_conf=alloc_conf,
     )
     try:
         return estimate_plan(model, batch, plan)
@@ -354,7 +355,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
 
         tracker = Tracker("cpu")
         tracker.fake = fake_mode is not None
-        tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False)
+        tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False, settings=plan.allocator)
         # a launched rank (gloo on the CPU): gloo's own flat copies, made in its worker threads, are not
         # counted; NCCL, which a GPU run uses, works on FSDP's buffers in place
         tracker.adopt_unseen = not (mode == "tracked" and parallel != "single")
@@ -463,7 +464,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         )
         notes.append(tracker_alongside_note("step's run without the breakdown's tracker"))
     else:
-        notes.append("reserved is simulated: one stream, PYTORCH_CUDA_ALLOC_CONF defaults, no cudaMalloc rounding by the driver")
+        notes += plan.allocator.simulation_notes()
         notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
     if compiled_calls:
         notes.append(compiled_note(mode, compiled_calls))

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.allocator_settings import AllocatorSettings, resolve_alloc_conf
 from .autocast_policy import AUTOCAST_POLICIES
 from .finetune import check_trainable, trainable_label
 from .parallel import check_parallel, per_device_batch
@@ -87,12 +88,18 @@ class Plan:
     task: str = "train"
     prompt_length: int | None = None
     new_tokens: int | None = None
+    #: The caching allocator's settings the simulated reserved figure follows: a PYTORCH_ALLOC_CONF string, an
+    #: AllocatorSettings, or None (this process's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, as CUDA would read it).
+    alloc_conf: str | AllocatorSettings | None = None
+    #: The settings alloc_conf resolves to.
+    allocator: AllocatorSettings = field(init=False, repr=False, compare=False)
     #: The batch size each device runs (from batch_size, or global_batch_size / (world_size x accumulation)).
     per_device_batch: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # the order of the checks is the order a user reads the arguments in: sizes, then the task, then the rest
         object.__setattr__(self, "per_device_batch", self._resolved_batch_size())
+        object.__setattr__(self, "allocator", resolve_alloc_conf(self.alloc_conf))
         check_task(self.task, prompt_length=self.prompt_length, new_tokens=self.new_tokens,
                    checkpointing=self.checkpointing, accumulation=self.accumulation, parallel=self.parallel,
                    step=self.step)
@@ -121,6 +128,12 @@ class Plan:
             raise ValueError(
                 f"unknown mode {self.mode!r}: use 'estimated' (fake tensors, nothing runs), 'tracked' (a real run on "
                 "this CPU, every tensor accounted) or 'measured' (a real run on a CUDA device)"
+            )
+        if self.mode == "measured" and self.alloc_conf is not None:
+            raise ValueError(
+                "alloc_conf= sets the allocator settings a simulated reserved figure follows, and a measured run uses "
+                "the allocator as this process started it: leave alloc_conf out (set PYTORCH_ALLOC_CONF before CUDA "
+                "starts to measure other settings), or use mode='estimated' or 'tracked'"
             )
         # a real run's rank is its process's; an estimate picks the rank whose view it gives
         if self.mode == "estimated" and (
@@ -174,6 +187,8 @@ class Plan:
                 words.append(f"your step {step_name(self.step)}")
         if self.parallel != "single":
             words.append(f"{self.parallel} on {self.world_size} GPUs")
+        if not self.allocator.is_default:
+            words.append(f"allocator {self.allocator}")
         return ", ".join(words)
 
     def varied(self, **knobs: Any) -> Plan:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
@@ -20,8 +19,10 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..core import _env
 from . import display
+from .cell_snapshots import records_history, start_history, write_cell_snapshot
 from .cells import _CELL_CALL, _cell_expects_compiled, _compiled, _expects_compiled, _is_nbmem_cell
 from ..tracking.diagnosis import diagnose, is_out_of_memory
+from ..tracking.history import AllocatorHistory
 from ..core.results import History, MemoryResult, first_line
 from ..tracking.scope import Backend, Engine, MemoryScope, resolve_backend
 from .live_gauge import CELL_DELAY, LINE_DELAY, LiveGauge, capacity_of, virtual_label
@@ -55,6 +56,8 @@ class _Session:
     log_options: _EveryCell = field(default_factory=lambda: _EveryCell(quiet=True))
     pending: MemoryScope | None = None
     pending_gauge: LiveGauge | None = None
+    #: measured on CUDA with a snapshot folder: PyTorch's allocator history, recording for the running cell
+    pending_history: AllocatorHistory | None = None
     #: Whether a frontend is watching live (None outside a kernel, or for `nbmem profile`'s log).
     frontend: _env.FrontendProbe | None = None
     #: The running cell's number as its In[n] shows it; IPython has already
@@ -235,6 +238,8 @@ class GpuMemMagics(Magics):
         checked, self.session.compiled = self.session.compiled, None
         body, last = checked[1] if checked and checked[0] == cell else _compiled(shell, cell, count or 0)
         namespace = shell.user_ns
+        # measured on CUDA, --snapshot writes what the allocator itself recorded; tracked, nbmem's storages
+        history = args.snapshot is not None and resolve_backend(args.backend, args.device)[0] == "measured"
 
         scope = MemoryScope(
             args.backend,
@@ -243,34 +248,50 @@ class GpuMemMagics(Magics):
             execution_count=count,
             breakdown=args.breakdown,
             capacity=args.capacity,
-            timeline=args.timeline or args.snapshot is not None,
+            timeline=args.timeline or (args.snapshot is not None and not history),
             lines=args.lines,
             engine=args.engine,
             expect_compiled=args.engine == "auto" and _expects_compiled(body, last, namespace),
         )
         gauge: LiveGauge | None = None
+        recorder = AllocatorHistory(args.snapshot) if history else None
         # start and stop inside the try: Ctrl-C between scope.start() returning and the try, or on
         # the line that calls stop(), would otherwise leave the tracker installed (issue 12)
+        ran = False
         try:
+            if recorder is not None:
+                recorder.start()
             scope.start()
             gauge = self._live_gauge(scope, args)
             exec(body, namespace)
             value = eval(last, namespace) if last is not None else None
             result = scope.stop()
+            ran = True
         except BaseException as error:
             if scope.running:
                 failed = scope.stop(error)
                 self._report(failed, args, scope, error, in_place=_stopped(gauge))
+            if recorder is not None:
+                recorder.finish(failed=True)  # the failed cell's snapshot (an OOM's is the one to read)
+                if recorder.written and not args.quiet:
+                    print(f"gpumem: the failed cell's snapshot written to {args.snapshot} (nbmem.load_snapshot)")
             raise
         finally:
             if gauge is not None:  # again after an interrupt in the lines above: stopping twice is harmless
                 gauge.stop()
+            if recorder is not None and not ran:
+                recorder.stop()  # an interrupt anywhere above leaves PyTorch's recording as it found it
         # IPython drops what the magic returns after a trailing `;` (output_can_be_silenced): with -o
         # the report is then the only sign of the result, so it shows
         silenced = DisplayHook.semicolon_at_end_of_expression(cell)
-        self._report(result, args, shown_as_out=args.output and not silenced, in_place=_stopped(gauge))
-        if args.snapshot is not None:
+        try:
+            self._report(result, args, shown_as_out=args.output and not silenced, in_place=_stopped(gauge))
+        finally:
+            if recorder is not None:
+                recorder.finish()
+        if recorder is None and args.snapshot is not None:
             result.to_snapshot(args.snapshot)
+        if args.snapshot is not None:
             if not args.quiet:
                 print(f"gpumem: snapshot written to {args.snapshot} (open it at pytorch.org/memory_viz, or nbmem.load_snapshot)")
         if args.output:
@@ -386,6 +407,9 @@ class GpuMemMagics(Magics):
             session.pending = None
         _stopped(session.pending_gauge)
         session.pending_gauge = None
+        if session.pending_history is not None:
+            session.pending_history.stop()
+            session.pending_history = None
         stored = getattr(info, "store_history", True)
         session.cell_number = self.shell.execution_count - 1 if stored else None
         if session.every_cell is None and session.log_path is None:
@@ -394,11 +418,15 @@ class GpuMemMagics(Magics):
         if _is_nbmem_cell(raw):
             return
         options = session.every_cell or session.log_options
+        history = records_history(options, session.cell_number)  # PyTorch's own record, or nbmem's timeline
         scope = MemoryScope(
             options.backend, options.device, label=first_line(raw), execution_count=session.cell_number,
-            capacity=options.capacity, engine=options.engine, lines=options.lines, timeline=options.snapshots is not None,
+            capacity=options.capacity, engine=options.engine, lines=options.lines,
+            timeline=options.snapshots is not None and not history,
             expect_compiled=options.engine == "auto" and _cell_expects_compiled(self.shell, raw),
         )
+        if history:
+            session.pending_history = start_history(options.snapshots, session.cell_number)  # type: ignore[arg-type]
         session.pending = scope.start()
         every = session.every_cell
         if every is not None and every.live and self._live(every.quiet, False):
@@ -420,18 +448,17 @@ class GpuMemMagics(Magics):
             error = result.error_in_exec or result.error_before_exec
         measured = scope.stop(error)
         session.pending = None
+        recorder, session.pending_history = session.pending_history, None
+        if recorder is not None:  # before the checks below: a cell that ran `%gpumem off` stops recording too
+            write_cell_snapshot(measured, None, recorder)
         in_place = _stopped(gauge)  # after the scope: the join is not in the cell's time
         if session.every_cell is None and session.log_path is None:
             if in_place is not None:
                 display.clear_gauge(in_place)
             return  # this cell ran `%gpumem off`
         session.record(measured)
-        folder = (session.every_cell or session.log_options).snapshots
-        if folder is not None and getattr(measured.timeline, "events", None) and measured.execution_count is not None:
-            try:
-                measured.to_snapshot(os.path.join(folder, f"exec-{measured.execution_count}.pickle"))
-            except Exception as error:  # an IPython hook: say it, never break the cell that ran
-                print(f"gpumem: no snapshot of cell [{measured.execution_count}] ({type(error).__name__}: {error})")
+        if recorder is None:
+            write_cell_snapshot(measured, (session.every_cell or session.log_options).snapshots, None)
         if session.every_cell is not None and not session.every_cell.quiet:
             display.show_line(measured, display_id=in_place)
 
@@ -474,6 +501,9 @@ def unload(shell: Any) -> None:
         shell.input_transformers_post.remove(magics.check_cell)
     _stopped(magics.session.pending_gauge)
     magics.session.pending_gauge = None
+    if magics.session.pending_history is not None:
+        magics.session.pending_history.stop()
+        magics.session.pending_history = None
     if magics.session.frontend is not None:
         magics.session.frontend.close()
     if magics.session.pending is not None:

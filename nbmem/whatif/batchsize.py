@@ -160,6 +160,7 @@ def max_batch_size(
     world_size: int = 1,
     step: Any = None,
     trainable: Any = None,
+    alloc_conf: Any = None,
     progress: bool = True,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
@@ -194,6 +195,10 @@ def max_batch_size(
     ``trainable`` (``"all"``, ``"head"``, ``"lora"``, a PEFT config or a
     predicate over parameter names; see :func:`nbmem.estimate`) chooses what
     trains: the largest batch for that kind of fine-tuning.
+
+    ``alloc_conf`` (``"expandable_segments:True"``, ...; see
+    :func:`nbmem.estimate`) sets the allocator settings the simulated
+    segments follow; by default this process's PYTORCH_ALLOC_CONF.
 
     ``progress`` (True or False) shows each estimate and real trial as it
     runs and what it gave (fits or OOM, and its peak), where it can be seen
@@ -235,7 +240,7 @@ def max_batch_size(
     # one plan, checked once; each estimate and trial varies its batch size (a search starts at 1)
     plan = Plan(batch_size=1, precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss,
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
-                trainable=trainable, device=capacity)
+                trainable=trainable, device=capacity, alloc_conf=alloc_conf)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 
@@ -253,7 +258,9 @@ def max_batch_size(
         shown.begin(f"batch_size={size}", unit="real trial")
         try:
             with shown.attempt():
-                trial = plan.varied(batch_size=size, mode=verify, enforce_capacity=True)
+                # a measured trial runs under the process's own allocator settings (alloc_conf only simulates)
+                trial = plan.varied(batch_size=size, mode=verify, enforce_capacity=True,
+                                    alloc_conf=None if verify == "measured" else alloc_conf)
                 result = run_configuration(model, batch, trial, on_rank=shown.ranks)
         except torch.OutOfMemoryError:
             trials.append((size, None))

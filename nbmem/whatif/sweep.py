@@ -58,6 +58,7 @@ def sweep(
     task: str | Iterable[str] = "train",
     prompt_length: int | None | Iterable[int] = None,
     new_tokens: int | None | Iterable[int] = None,
+    alloc_conf: Any = None,
     progress: bool = True,
 ) -> Comparison:
     """Run every combination of the knobs and compare their peaks.
@@ -97,6 +98,9 @@ def sweep(
     (``gc.collect()``) before the next; a measured sweep also returns the
     cached blocks to CUDA (``torch.cuda.empty_cache()``) between
     configurations, so each one's reserved peak is its own.
+
+    ``alloc_conf`` (a PYTORCH_ALLOC_CONF string; see :func:`nbmem.estimate`)
+    sets the allocator settings every simulated reserved figure follows.
 
     ``progress`` (True or False) shows which configuration runs, how many
     remain and what each finished one gave, where it can be seen: a widget in
@@ -143,7 +147,8 @@ def sweep(
         capacity, label = parse_capacity(device)
     planned: list[tuple[tuple[str, Any], ...]] = []  # each configuration's knobs, as its row shows them
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
-    base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, **_enforced(mode, capacity))
+    base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf,
+                **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
