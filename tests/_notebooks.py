@@ -65,3 +65,10 @@ def failed_cells(notebook: nbformat.NotebookNode) -> list[str]:
         for cell in notebook.cells
         if cell.cell_type == "code" and any(output.output_type == "error" for output in cell.outputs)
     ]
+
+
+def output_of(notebook: nbformat.NotebookNode, start: str) -> str:
+    """Everything the one code cell that starts with ``start`` printed or displayed as text."""
+    cells = [cell for cell in notebook.cells if cell.cell_type == "code" and cell.source.startswith(start)]
+    assert len(cells) == 1, start
+    return text(cells[0])

@@ -139,7 +139,7 @@ def test_capacity_verdict():
     [
         ({"batch_size": 0}, "positive whole number"),
         ({"batch_size": 8, "precision": "fp8"}, "use one of fp32, bf16, fp16, bf16-weights, fp16-weights"),
-        ({"batch_size": 8, "optimizer": "lion"}, "use one of sgd, sgd-momentum, adam, adamw, adagrad, rmsprop"),
+        ({"batch_size": 8, "optimizer": "lion"}, "use one of sgd, sgd-momentum, adam, adamw, adagrad, rmsprop, adam-fused, adamw-fused"),
         ({"batch_size": 8, "accumulation": 0}, "micro-batches"),
         ({"batch_size": 8, "device": "T5000"}, "A100-40GB"),
     ],
@@ -238,3 +238,68 @@ def test_allocator_settings_pytorch_would_refuse_fail_before_anything_runs():
         estimate(build, lambda n: torch.randn(n, 4), batch_size=2, alloc_conf="expandable:True")
     with pytest.raises(ValueError, match="a measured run uses the allocator as this process started it"):
         Plan(batch_size=2, mode="measured", alloc_conf="expandable_segments:True")
+
+
+class _ForwardHeavy(nn.Module):
+    """One 4 MiB weight, and a forward-only temporary (8 x 1024 x 1024 floats, 32 MiB) that makes the forward the peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(1024, 1024, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = (x.unsqueeze(2) * x.unsqueeze(1)).mean()
+        return self.linear(x) * scale
+
+
+@pytest.mark.parametrize("model", [lambda: nn.Linear(1024, 1024, bias=False), _ForwardHeavy])
+def test_where_the_loop_zeroes_gradients_is_a_knob(model):
+    make = lambda n: torch.randn(n, 1024)  # noqa: E731
+    runs = {where: estimate(model, make, batch_size=8, optimizer="sgd", zero_grad=where)
+            for where in ("after_step", "keep", "before_backward")}
+    gradient = 1024 * 1024 * 4  # the weight's gradient: 4,194,304 B
+    first = runs["after_step"].first_step
+    assert {run.first_step for run in runs.values()} == {first}  # no gradient exists before the first step
+    # kept (set_to_none=False): alive through the next forward, and backward's new gradient is added to it
+    assert runs["keep"].steady == runs["after_step"].steady + gradient
+    # zeroed between the loss and backward: alive through the forward only, so it counts where the forward is the peak
+    forward_peak = model is _ForwardHeavy
+    assert runs["before_backward"].steady == runs["after_step"].steady + (gradient if forward_peak else 0)
+    assert runs["keep"].step.endswith("zero_grad(set_to_none=False): the gradients stay allocated, zero-filled")
+    assert "zero_grad keep" in runs["keep"].plan.describe()
+
+
+def test_zero_grad_says_what_to_pass():
+    build = lambda: nn.Linear(4, 4)  # noqa: E731
+    make = lambda n: torch.randn(n, 4)  # noqa: E731
+    with pytest.raises(ValueError, match="unknown zero_grad 'never': use one of after_step, keep, before_backward"):
+        estimate(build, make, batch_size=2, zero_grad="never")
+    with pytest.raises(ValueError, match="your step= zeroes them itself"):
+        estimate(build, make, batch_size=2, zero_grad="keep", step=lambda model, batch, optimizer: None)
+    with pytest.raises(ValueError, match="computes no gradients"):
+        estimate(build, make, batch_size=2, zero_grad="keep", task="inference")
+
+
+def test_weights_loaded_in_bf16_never_reserve_their_fp32_build():
+    # eight 4096 x 4096 weights in bf16: 32 MiB each, one 32 MiB segment each; the bf16 biases (8 KiB each) and the
+    # activations share one 2 MiB small segment. The fp32 build nbmem's copy of the model went through (twice the
+    # bytes, then cast) never reaches a real GPU, whose loaders put the weights there in their own dtype.
+    MiB = 1024**2
+    build = lambda: nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(8)])  # noqa: E731
+    result = estimate(build, lambda n: torch.randn(n, 4096), batch_size=4, precision="bf16-weights", task="inference")
+    assert result.breakdown.category("parameter") == 8 * (4096 * 4096 + 4096) * 2
+    assert result.reserved == 8 * 32 * MiB + 2 * MiB
+
+
+def test_a_fused_optimizer_holds_its_state_and_no_temporaries():
+    build = lambda: nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))  # noqa: E731
+    make = lambda n: (torch.randn(n, 1024), torch.randn(n, 1024))  # noqa: E731
+    sgd, fused = (estimate(build, make, batch_size=256, optimizer=name) for name in ("sgd", "adamw-fused"))
+    parameters = (1024 * 4096 + 4096 + 4096 * 1024 + 1024) * 4  # 33,574,912 B
+    # plain SGD updates in place, so its peak is backward's; fused AdamW adds its two moments and a 4-byte step
+    # tensor per parameter (fused keeps it on the device: a 512 B block each), and nothing more: no foreach temporaries
+    assert fused.steady == sgd.steady + 2 * parameters + 4 * 512
+    assert any("fused=True" in note for note in fused.notes)
+    with pytest.raises(ValueError, match="takes no foreach"):
+        estimate(build, make, batch_size=2, optimizer="adamw-fused", foreach=True)

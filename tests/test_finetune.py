@@ -11,7 +11,7 @@ from torch import nn
 
 import nbmem
 from _zoo import ZOO, gpt2, llama, padded_batch
-from nbmem.core.allocator import round_allocation
+from nbmem.core.units import round_allocation
 from nbmem.estimation.estimate import estimate
 from nbmem.estimation.finetune import head_of
 from test_zoo import need, need_zoo

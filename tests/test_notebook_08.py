@@ -19,7 +19,7 @@ from typing import Any
 
 import nbformat
 import pytest
-from _notebooks import assert_committed_clean, execute, failed_cells, text
+from _notebooks import assert_committed_clean, execute, failed_cells, output_of, text
 from _zoo import need
 
 pytestmark = pytest.mark.slow
@@ -38,13 +38,6 @@ def nb08() -> nbformat.NotebookNode:
     if not _RUN:
         _RUN["notebook"], _ = execute(PATH)
     return _RUN["notebook"]
-
-
-def _output(notebook: nbformat.NotebookNode, start: str) -> str:
-    """What the one code cell whose source starts with ``start`` printed."""
-    cells = [cell for cell in notebook.cells if cell.cell_type == "code" and cell.source.startswith(start)]
-    assert len(cells) == 1, start
-    return text(cells[0])
 
 
 def _bytes(pattern: str, output: str) -> list[int]:
@@ -74,7 +67,7 @@ def test_runs_without_an_error(nb08: nbformat.NotebookNode) -> None:
 
 @pytest.mark.vision
 def test_the_models_are_the_ones_described(nb08: nbformat.NotebookNode) -> None:
-    output = _output(nb08, "import torch")
+    output = output_of(nb08, "import torch")
     assert "timm can't be imported" not in output  # the ResNet parts ran: this environment has timm
     # embeddings and the untied head 2 x 8192 x 256; per layer q and o 256 x 256, k and v 256 x 128 (2 of 4 heads'
     # worth), gate, up and down 3 x 256 x 1024, two RMSNorms 2 x 256; the final norm 256
@@ -86,7 +79,7 @@ def test_the_models_are_the_ones_described(nb08: nbformat.NotebookNode) -> None:
 
 @pytest.mark.vision
 def test_the_estimate_is_the_tracked_run_to_the_byte(nb08: nbformat.NotebookNode) -> None:
-    output = _output(nb08, "def compare(")
+    output = output_of(nb08, "def compare(")
     peaks = _peaks(output)
     for model in ("Llama", "ResNet-18"):
         assert peaks[(model, "estimated")] == peaks[(model, "tracked")]
@@ -95,14 +88,14 @@ def test_the_estimate_is_the_tracked_run_to_the_byte(nb08: nbformat.NotebookNode
     assert _bytes(r"difference: ([\d,]+) B", output) == [0, 0]
     assert "peak at aten._log_softmax_backward_data" in output  # the Llama's peak: the loss's backward
     # the padded batch builds the 4-D mask both ways; the estimate says it assumes one
-    assert "note: Hugging Face builds a (batch, 1, sequence, sequence) attention mask" in _output(nb08, "for note in")
+    assert "note: Hugging Face builds a (batch, 1, sequence, sequence) attention mask" in output_of(nb08, "for note in")
 
 
 @pytest.mark.vision
 def test_the_hugging_face_loop_holds_its_logits_and_kv_cache_at_the_optimizer_step(
     nb08: nbformat.NotebookNode,
 ) -> None:
-    output = _output(nb08, "def train_step(")
+    output = output_of(nb08, "def train_step(")
     built_in, yours, tracked = (_bytes(rf"^{label}\s+([\d,]+) B", output)[0]
                                 for label in ("built-in step:", "your step, estimated:", "your step, tracked:"))
     assert yours == tracked and "(difference 0 B)" in output
@@ -116,20 +109,20 @@ def test_the_hugging_face_loop_holds_its_logits_and_kv_cache_at_the_optimizer_st
     assert yours - built_in == logits + kv_cache + inputs + loss == 4_722_176
     assert _bytes(r"your step holds ([\d,]+) B more", output) == [yours - built_in]
     # the notebook's own arithmetic prints the same sum
-    assert _bytes(r"= ([\d,]+) B$", _output(nb08, "BATCH = 2")) == [yours - built_in]
+    assert _bytes(r"= ([\d,]+) B$", output_of(nb08, "BATCH = 2")) == [yours - built_in]
     # keeping only the loss: the batch and the loss are what is left at the update
-    assert _bytes(r"^lean step: [\d,]+ B, ([\d,]+) B against", _output(nb08, "def lean_step(")) == [inputs + loss]
+    assert _bytes(r"^lean step: [\d,]+ B, ([\d,]+) B against", output_of(nb08, "def lean_step(")) == [inputs + loss]
 
 
 @pytest.mark.vision
 def test_checkpointing_is_hugging_faces_own_and_the_tracked_run_agrees(nb08: nbformat.NotebookNode) -> None:
-    output = _output(nb08, "plain = ")
+    output = output_of(nb08, "plain = ")
     assert "checkpointing: on (Hugging Face activation_checkpointing_enable, use_cache=False)" in output
     assert "KV cache turned off (use_cache=False)" in output
     peaks = _peaks(output)
     assert peaks[("Llama", "estimated")] == peaks[("Llama", "tracked")]
     assert _bytes(r"difference: ([\d,]+) B", output) == [0]
-    table = _output(nb08, "MiB = 2**20")
+    table = output_of(nb08, "MiB = 2**20")
     rows = {name: (float(off), float(on)) for name, off, on in
             re.findall(r"^(parameter|optimizer state|activation|peak)\s+([\d.]+)\s+([\d.]+)$", table, re.M)}
     assert rows["parameter"][0] == rows["parameter"][1] and rows["optimizer state"][0] == rows["optimizer state"][1]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from _notebooks import assert_committed_clean, execute, failed_cells, text
+from _notebooks import assert_committed_clean, execute, failed_cells, output_of, text
 
 from test_zoo import need
 
@@ -34,30 +34,24 @@ def nb09() -> nbformat.NotebookNode:
     return notebook
 
 
-def _output(notebook: nbformat.NotebookNode, start: str) -> str:
-    cells = [cell for cell in notebook.cells if cell.cell_type == "code" and cell.source.startswith(start)]
-    assert len(cells) == 1, start
-    return text(cells[0])
-
-
 def test_committed_clean() -> None:
     assert_committed_clean(PATH)
 
 
 def test_runs_and_prints_the_arithmetic(nb09: nbformat.NotebookNode) -> None:
     assert failed_cells(nb09) == []
-    counts = _output(nb09, 'with torch.device("meta")')
+    counts = output_of(nb09, 'with torch.device("meta")')
     assert f"parameters: {PARAMETERS:,}\n" in counts  # 6,738,415,616
     # rank-8 LoRA on q_proj and v_proj: 32 layers x 2 modules x 8 x (4096 in + 4096 out)
     assert f"LoRA trainable parameters: {32 * 2 * 8 * (4096 + 4096):,} " in counts  # 4,194,304
-    cache = _output(nb09, "generation = ")
+    cache = output_of(nb09, "generation = ")
     per_token = 32 * 2 * 32 * 128 * 2  # layers x (keys, values) x heads x head_dim x bf16 bytes = 524,288
     assert f"KV cache per token of context: {per_token:,} B" in cache
     assert f"({per_token:,} B for the whole batch)" in cache and "gpumem generate estimate (estimated" in cache
 
 
 def test_verdicts_follow_the_printed_estimates(nb09: nbformat.NotebookNode) -> None:
-    table = _output(nb09, "variants = ")
+    table = output_of(nb09, "variants = ")
     capacities = {"RTX-4090": 23.64, "A100-80GB": 79.25}  # GiB, nbmem.PRESETS (as PyTorch reports them)
     rows = re.findall(r"^(\S.*?)\s+([\d.]+) GiB\s+([\d.]+) GiB\s+(\w+)\s+(\w+)$", table, re.MULTILINE)
     assert len(rows) == 8, table
@@ -68,7 +62,7 @@ def test_verdicts_follow_the_printed_estimates(nb09: nbformat.NotebookNode) -> N
     by_label = {row[0]: row for row in rows}
     assert by_label["full fine-tuning, fp32"][3] == "no"  # 16 bytes per parameter alone is 100 GiB
     assert by_label["inference, bf16 weights"][3] == "fits"
-    formula = _output(nb09, "formula = ")
+    formula = output_of(nb09, "formula = ")
     # 16 bytes per parameter for AdamW in fp32: 107,814,649,856 B = 100 GiB (3 significant figures)
     assert f"full fine-tuning, fp32: formula {16 * PARAMETERS / GiB:.3g} GiB" in formula
 

@@ -14,6 +14,7 @@ import pickle
 from pathlib import Path
 
 import pytest
+import torch
 
 import nbmem
 from nbmem.core.snapshot import SnapshotError, load_snapshot
@@ -57,7 +58,9 @@ def test_a_what_if_on_one_real_trace_gives_what_the_other_setting_really_reserve
     assert (plain.simulated_peak_reserved, plain.simulated_segments) == (TRUTH["mlp-expandable"][1], 2)
     expandable = load_snapshot(SNAPSHOTS / "snapshot-mlp-expandable.pickle").replay("")
     assert (expandable.simulated_peak_reserved, expandable.simulated_segments) == (TRUTH["mlp"][1], 16)
-    assert "what if: the same allocations under expandable_segments:True (the real run: defaults)" in str(plain)
+    assert "what if: the same allocations under expandable_segments:True (as recorded: defaults)" in str(plain)
+    table = load_snapshot(SNAPSHOTS / "snapshot-mlp.pickle").try_settings("")
+    assert "as recorded (defaults): 225 MiB allocated, 236 MiB reserved at the peak (measured)" in str(table)
 
 
 def test_trying_settings_on_a_trace_is_a_table():
@@ -355,3 +358,59 @@ def test_measured_every_cell_writes_each_cells_snapshot(shell, monkeypatch, tmp_
         shell.run_cell("%gpumem off")
     assert (tmp_path / f"exec-{count}.pickle").exists()
     assert fake.calls[:3] == [("record", "all"), ("dump", True), ("record", None)] and not fake.on
+
+
+# -- estimates exported, under allocator settings ------------------------------------------------------------
+
+
+def estimated_run(**options):
+    build = lambda: torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512))  # noqa: E731
+    make = lambda n: (torch.randn(n, 512), torch.randn(n, 512))  # noqa: E731
+    return nbmem.estimate(build, make, batch_size=64, timeline=True, **options)
+
+
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:20"])
+def test_an_estimate_round_trips_through_a_snapshot_under_its_allocator_settings(tmp_path, conf):
+    estimate = estimated_run(alloc_conf=conf)
+    path = tmp_path / "estimate.pickle"
+    estimate.to_snapshot(str(path))
+    snapshot = load_snapshot(path)
+    # the run from an empty device: the model built, then two steps; its peak is the estimate's
+    assert (snapshot.peak_allocated, snapshot.peak_reserved) == (estimate.peak, estimate.reserved)
+    assert snapshot.source["mode"] == "estimated"
+    replay = snapshot.replay()  # under the settings the file records, which are the estimate's
+    assert replay.exact and replay.simulated_settings == (conf or "defaults"), str(replay)
+    expandable = [segment["is_expandable"] for segment in snapshot._segments]
+    assert all(expandable) if conf.startswith("expandable") else not any(expandable)
+
+
+def test_an_expandable_export_maps_pages_and_pytorchs_reader_reads_it(tmp_path):
+    from torch.cuda import _memory_viz
+
+    path = tmp_path / "expandable.pickle"
+    estimated_run(alloc_conf="expandable_segments:True").to_snapshot(str(path))
+    with open(path, "rb") as file:
+        data = pickle.load(file)
+    maps = [entry for entry in data["device_traces"][0] if entry["action"] == "segment_map"]
+    assert maps and all(entry["size"] % (2 * MiB) == 0 for entry in maps)  # whole pages, 2 or 20 MiB
+    assert sum(entry["size"] for entry in maps) == sum(segment["total_size"] for segment in data["segments"])
+    assert "total_reserved" in _memory_viz.segsum(data)
+    assert data["allocator_settings"]["expandable_segments"] is True
+
+
+def test_an_estimate_without_a_timeline_says_how_to_get_one(tmp_path):
+    build = lambda: torch.nn.Linear(4, 4)  # noqa: E731
+    estimate = nbmem.estimate(build, lambda n: torch.randn(n, 4), batch_size=2)
+    with pytest.raises(ValueError, match=r"estimate\(\.\.\., timeline=True\)"):
+        estimate.to_snapshot(str(tmp_path / "x.pickle"))
+
+
+def test_each_configuration_of_a_sweep_writes_its_own_snapshot(tmp_path):
+    build = lambda: torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))  # noqa: E731
+    make = lambda n: (torch.randn(n, 256), torch.randint(0, 4, (n,)))  # noqa: E731
+    table = nbmem.sweep(build, make, batch_size=[8, 512], timeline=True, progress=False)
+    peaks = []
+    for index, row in enumerate(table.rows):
+        row.result.to_snapshot(str(tmp_path / f"config-{index}.pickle"))
+        peaks.append(load_snapshot(tmp_path / f"config-{index}.pickle").peak_allocated)
+    assert peaks == [row.peak for row in table.rows] and peaks[0] < peaks[1]

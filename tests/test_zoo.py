@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from _zoo import ZOO, causal_lm_batch, gpt2, image_batch, need, padded_batch
-from nbmem.core.allocator import round_allocation
+from nbmem.core.units import round_allocation
 from nbmem.estimation.estimate import estimate
 
 

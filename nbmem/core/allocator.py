@@ -100,6 +100,8 @@ class _Block:
     mapped: bool = True
     #: the pool's free-block searches when this block was cached (its age, for garbage collection)
     age_base: int = 0
+    #: bytes asked for by the allocation it holds (0 while free)
+    requested: int = 0
 
 
 @dataclass(eq=False)
@@ -111,6 +113,8 @@ class _Segment:
     first: _Block | None = None
     #: an expandable segment's page (bytes mapped at a time); 0 for a cudaMalloc segment
     page: int = 0
+    #: the address space it takes: its size, or an expandable segment's whole reserved range
+    span: int = 0
 
 
 @dataclass
@@ -144,6 +148,9 @@ class CachingAllocatorSimulation:
     _segments: list[_Segment] = field(default_factory=list)
     _numbers: itertools.count[int] = field(default_factory=itertools.count)
     _searches: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    #: When a list: every change to what is reserved, as (action, segment, offset, bytes) with PyTorch's trace
+    #: actions (segment_alloc, segment_free, segment_map, segment_unmap), for an exported snapshot.
+    log: list[tuple[str, _Segment, int, int]] | None = None
 
     def malloc(self, key: object, nbytes: int) -> None:
         """Allocate ``nbytes`` (as requested) for ``key``; raises MemoryError past ``capacity`` when strict."""
@@ -183,7 +190,7 @@ class CachingAllocatorSimulation:
                 block.next.previous = rest
             block.next, block.size = rest, size
             self._cache(rest)
-        block.allocated = True
+        block.allocated, block.requested = True, nbytes
         self._blocks[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
@@ -197,6 +204,19 @@ class CachingAllocatorSimulation:
         self._merge(block, block.previous)
         self._merge(block, block.next)
         self._cache(block)
+
+    def relaid(self) -> CachingAllocatorSimulation:
+        """A fresh simulation holding the same live allocations, made in the same order on an empty device.
+
+        What a loader that puts tensors on the GPU in their final form would
+        reserve (an estimate's ``"bf16-weights"``: real loaders never put the
+        fp32 build on the GPU); peaks start there.
+        """
+        fresh = CachingAllocatorSimulation(capacity=self.capacity, strict=self.strict, settings=self.settings,
+                                           allowed_memory=self.allowed_memory, log=self.log)
+        for key, block in self._blocks.items():
+            fresh.malloc(key, block.requested)
+        return fresh
 
     def empty_cache(self) -> None:
         """Give back every whole free segment and every free page of expandable ones (release_cached_blocks)."""
@@ -253,11 +273,12 @@ class CachingAllocatorSimulation:
             return self._expandable_block(small, size, force)
         if not force and self.capacity is not None and self.reserved + wanted > self.capacity:
             return None
-        segment = _Segment(wanted, small, next(self._numbers))
+        segment = _Segment(wanted, small, next(self._numbers), span=wanted)
         block = _Block(segment, 0, wanted)
         segment.first = block
         self._segments.append(segment)
         self._grow(wanted)
+        self._note("segment_alloc", segment, 0, wanted)
         return block
 
     # -- expandable segments -----------------------------------------------------
@@ -288,8 +309,8 @@ class CachingAllocatorSimulation:
                 return start
         page = SMALL_BUFFER if small else LARGE_BUFFER
         space = _NO_CAPACITY_ADDRESS_SPACE if self.capacity is None else self.capacity + self.capacity // 8
-        segment = _Segment(0, small, next(self._numbers), page=page)
-        block = _Block(segment, 0, -(-space // page) * page, mapped=False)
+        segment = _Segment(0, small, next(self._numbers), page=page, span=-(-space // page) * page)
+        block = _Block(segment, 0, segment.span, mapped=False)
         segment.first = block
         self._segments.append(segment)
         bisect.insort(self._unmapped[small], (segment.number, 0, block))
@@ -300,6 +321,7 @@ class CachingAllocatorSimulation:
         mapped = min((-(-(block.offset + size) // page) - block.offset // page) * page, block.size)
         if not force and self.capacity is not None and self.reserved + mapped > self.capacity:
             return False
+        self._note("segment_map", block.segment, block.offset, mapped)
         self._remove(self._unmapped[block.segment.small], (block.segment.number, block.offset), block)
         block.mapped = True
         if mapped < block.size:
@@ -344,6 +366,7 @@ class CachingAllocatorSimulation:
         bisect.insort(self._unmapped[segment.small], (segment.number, block.offset, block))
         segment.size -= stop - start
         self.reserved -= stop - start
+        self._note("segment_unmap", segment, start, stop - start)
 
     # -- giving memory back ------------------------------------------------------
 
@@ -397,9 +420,14 @@ class CachingAllocatorSimulation:
         self._uncache(block)
         self._segments.remove(block.segment)
         self.reserved -= block.segment.size
+        self._note("segment_free", block.segment, 0, block.segment.size)
         return True
 
     # -- pools -------------------------------------------------------------------
+
+    def _note(self, action: str, segment: _Segment, offset: int, nbytes: int) -> None:
+        if self.log is not None:
+            self.log.append((action, segment, offset, nbytes))
 
     def _grow(self, nbytes: int) -> None:
         self.reserved += nbytes

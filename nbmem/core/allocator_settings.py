@@ -124,6 +124,17 @@ class AllocatorSettings:
         return f"{self} (from {self.source})"
 
 
+    def as_snapshot(self) -> dict[str, Any]:
+        """The settings as a memory snapshot records them (``allocator_settings``; :func:`settings_from_snapshot`)."""
+        return {
+            "PYTORCH_CUDA_ALLOC_CONF": str(self),
+            "max_split_size": -1 if self.max_split_size == UNLIMITED else self.max_split_size,
+            "max_non_split_rounding_size": self.max_non_split_rounding,
+            "garbage_collection_threshold": self.garbage_collection_threshold,
+            "expandable_segments": self.expandable_segments,
+            "roundup_power2_divisions": {str(1 << index): value for index, value in enumerate(self.roundup_power2_divisions)},
+        }
+
     def simulation_notes(self) -> list[str]:
         """What a reserved figure simulated under these settings assumed, for a result's notes."""
         notes = [f"reserved is simulated by PyTorch's caching-allocator rules: one stream, {self.describe()}, "

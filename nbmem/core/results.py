@@ -143,6 +143,7 @@ class MemoryResult:
     allocated_before: int
     peak_allocated: int
     allocated_after: int
+    #: wall-clock seconds; NaN where nothing recorded time (a snapshot nbmem wrote, whose times are op counts)
     seconds: float
     #: Memory the caching allocator holds (allocated + cached free blocks);
     #: None where nobody measured it (tracked mode simulates no allocator).
@@ -243,7 +244,7 @@ class MemoryResult:
         return (
             f"gpumem {label}peak {format_bytes(self.peak, signed=True)} allocated"
             f" · retained {format_bytes(self.retained, signed=True)}"
-            f" · {self.seconds:.3g} s · {self.mode} on {self.device}{failed}"
+            f" · {_time(self.seconds)} · {self.mode} on {self.device}{failed}"
         )
 
     def _rows(self) -> list[tuple[str, str]]:
@@ -279,7 +280,7 @@ class MemoryResult:
                     " (device view: includes the CUDA context and other processes)",
                 )
             )
-        rows.append(("time", f"{self.seconds:.3g} s wall"))
+        rows.append(("time", f"{_time(self.seconds)} wall" if self.seconds == self.seconds else "not recorded"))
         return rows
 
     def text(self, *, breakdown: bool = False) -> str:
@@ -306,14 +307,16 @@ class MemoryResult:
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
-    def to_snapshot(self, path: str) -> None:
+    def to_snapshot(self, path: str, alloc_conf: Any = None) -> None:
         """Write the block as a PyTorch memory snapshot pickle, for pytorch.org/memory_viz or ``torch.cuda._memory_viz``.
 
         Needs the block's allocations, which a timeline keeps: measure with
         ``timeline=True`` (``%%gpumem --timeline``, or ``--snapshot FILE``,
         which writes it). Addresses and segments are nbmem's allocator
-        simulation's, the frames your lines (with ``lines=True``) and nbmem's
-        categories and modules; ``nbmem.load_snapshot`` reads it back.
+        simulation's, under ``alloc_conf`` (a PYTORCH_ALLOC_CONF string; by
+        default this process's environment), the frames your lines (with
+        ``lines=True``) and nbmem's categories and modules;
+        ``nbmem.load_snapshot`` reads it back.
 
         Example::
 
@@ -327,10 +330,12 @@ class MemoryResult:
                 "to_snapshot needs the block's allocations, which only a timeline keeps: measure it with "
                 "timeline=True (nbmem.track(timeline=True), %%gpumem --timeline) or %%gpumem --snapshot FILE"
             )
+        from .allocator_settings import resolve_alloc_conf
         from .snapshot_export import snapshot_of, write_snapshot
 
+        settings = resolve_alloc_conf(alloc_conf)
         source = {"mode": self.mode, "device": self.device, "label": self.label}
-        write_snapshot(snapshot_of(events, _device_index(self.device), source), path)
+        write_snapshot(snapshot_of(events, _device_index(self.device), source, settings), path)
 
     # -- HTML (static, no widgets: renders wherever HTML does) ------------
 
@@ -538,7 +543,7 @@ def cell_figures(result: MemoryResult) -> tuple[str, str, str, str, str]:
         format_bytes(result.peak, signed=True),
         format_bytes(result.peak_allocated),
         format_bytes(result.retained, signed=True),
-        f"{result.seconds:.3g} s",
+        _time(result.seconds),
         how,
     )
 
@@ -550,6 +555,11 @@ def text_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list
     lines = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return lines
+
+
+def _time(seconds: float) -> str:
+    """Seconds as a result shows them; NaN (a file that recorded no time) as "time not recorded"."""
+    return f"{seconds:.3g} s" if seconds == seconds else "time not recorded"
 
 
 def first_line(source: str) -> str:

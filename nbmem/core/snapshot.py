@@ -108,7 +108,7 @@ class Replay:
     def __str__(self) -> str:
         if self.what_if:
             head = (f"what if: the same allocations under {self.simulated_settings} "
-                    f"(the real run: {self.real_settings})\n")
+                    f"(as recorded: {self.real_settings})\n")
         else:
             head = f"replay through nbmem's allocator simulation: {'the same' if self.exact else 'different'}\n"
         return (
@@ -122,13 +122,15 @@ class Replay:
 
 @dataclass(frozen=True)
 class SettingsTable:
-    """One trace replayed under several allocator settings: peak and final reserved, segments, beside the real run."""
+    """One trace replayed under several allocator settings: peak and final reserved, segments, beside the recorded run."""
 
     name: str
     peak_allocated: int
     real_peak_reserved: int
     real_settings: str
     replays: tuple[Replay, ...]
+    #: how the recorded figures were obtained: "measured" (PyTorch's own record) or how nbmem made the file
+    recorded_as: str = "measured"
 
     def rows(self) -> list[tuple[str, int, int, int, int]]:
         """Per setting tried: (settings, peak allocated, peak reserved, reserved at the end, segments at the end)."""
@@ -143,8 +145,8 @@ class SettingsTable:
         ]
         lines += [f"  {settings:<{width}}  {format_bytes(allocated):>14}  {format_bytes(peak):>13}  {format_bytes(end):>10}  "
                   f"{segments:>8}" for settings, allocated, peak, end, segments in self.rows()]
-        lines.append(f"  the real run ({self.real_settings or 'defaults'}): {format_bytes(self.peak_allocated)} allocated, "
-                     f"{format_bytes(self.real_peak_reserved)} reserved at the peak (measured)")
+        lines.append(f"  as recorded ({self.real_settings or 'defaults'}): {format_bytes(self.peak_allocated)} allocated, "
+                     f"{format_bytes(self.real_peak_reserved)} reserved at the peak ({self.recorded_as})")
         notes = dict.fromkeys(note for replay in self.replays for note in replay.notes)
         lines += [f"  note: {note}" for note in notes]
         return "\n".join(lines)
@@ -342,7 +344,7 @@ class Snapshot:
         return MemoryResult(
             mode=mode, device=device, allocated_before=self.allocated_at_start,  # type: ignore[arg-type]
             peak_allocated=self.peak_allocated, allocated_after=self.allocated,
-            seconds=(max(times) - min(times)) / 1e6 if times and source is None else 0.0,
+            seconds=(max(times) - min(times)) / 1e6 if times and source is None else float("nan"),
             reserved_before=self.reserved_at_start, peak_reserved=self.peak_reserved, reserved_after=self.reserved,
             error="OutOfMemoryError" if self.oom is not None else None, label=self.name, notes=tuple(notes),
         )
@@ -460,8 +462,10 @@ class Snapshot:
                              'snapshot.try_settings("", "expandable_segments:True")')
         replays = [self.replay(parse_alloc_conf(text, source="try_settings") if text else AllocatorSettings())
                    for text in alloc_confs]
+        recorded_as = "measured" if self.source is None else \
+            f"{self.source.get('mode', 'tracked')} on {self.source.get('device', 'cpu')}, placed by nbmem's simulation"
         return SettingsTable(self.name, self.peak_allocated, self.peak_reserved, str(settings_from_snapshot(self.settings)),
-                             tuple(replays))
+                             tuple(replays), recorded_as)
 
     def __str__(self) -> str:
         lines = [str(self.result())]

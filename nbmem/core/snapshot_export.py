@@ -14,12 +14,14 @@ import pickle
 from typing import Any
 
 from .allocator import CachingAllocatorSimulation
+from .allocator_settings import AllocatorSettings
 
 __all__ = ["snapshot_of", "write_snapshot"]
 
 
-#: Where exported segments start, and how far apart (no real address: the simulation's segments, laid out).
-_BASE, _SPACING = 0x7F0000000000, 1 << 36
+#: Where exported segments start, and the gap between two segments' address ranges (no real address: the
+#: simulation's segments, laid out below 2**53, which the viewer's JavaScript numbers hold exactly).
+_BASE, _GAP = 0x7F0000000000, 1 << 30
 
 
 def _frames(category: str, module: str | None, line: Any) -> list[dict[str, Any]]:
@@ -29,29 +31,48 @@ def _frames(category: str, module: str | None, line: Any) -> list[dict[str, Any]
     return frames
 
 
-def snapshot_of(events: Any, device: int = 0, source: dict[str, Any] | None = None) -> dict[str, Any]:
+def snapshot_of(events: Any, device: int = 0, source: dict[str, Any] | None = None,
+                settings: AllocatorSettings | None = None) -> dict[str, Any]:
     """A snapshot dict, as ``torch.cuda.memory._snapshot()`` makes, from a timeline's storages (Timeline.events).
 
-    Addresses and segments come from nbmem's caching-allocator simulation;
-    time is the op count; each entry's ``category`` is nbmem's ("other" is
-    the viewer's "unknown", which it needs to exist). Storages alive before
-    the block are allocated first, at time 0; storages of 0 bytes, which
-    no allocator gives a block, are left out. ``source`` (how nbmem measured
-    it) goes under the key "nbmem", which :func:`nbmem.load_snapshot` reads.
+    Addresses and segments come from nbmem's caching-allocator simulation under
+    ``settings`` (PyTorch's defaults if None; recorded as the snapshot's
+    ``allocator_settings``, so a replay uses them too); time is the op count;
+    each entry's ``category`` is nbmem's ("other" is the viewer's "unknown",
+    which it needs to exist). Storages alive before the block are allocated
+    first, at time 0; storages of 0 bytes, which no allocator gives a block,
+    are left out. ``source`` (how nbmem measured it) goes under the key
+    "nbmem", which :func:`nbmem.load_snapshot` reads.
     """
+    settings = settings or AllocatorSettings()
     order = []
     for index, (born, ended, *_rest) in enumerate(events):
         order.append((born, 0, index))
         if ended is not None:
             order.append((ended - 1, 1, index))
     order.sort()
-    simulation = CachingAllocatorSimulation()
+    simulation = CachingAllocatorSimulation(settings=settings, log=[])
     trace: list[dict[str, Any]] = []
     bases: dict[int, int] = {}
+    next_base = _BASE
+
+    def base(segment: Any) -> int:
+        nonlocal next_base
+        if segment.number not in bases:
+            bases[segment.number] = next_base
+            next_base += -(-segment.span // (2 << 20)) * (2 << 20) + _GAP
+        return bases[segment.number]
 
     def address(key: int) -> int:
         block = simulation._blocks[key]
-        return bases[block.segment.number] + block.offset
+        return base(block.segment) + block.offset
+
+    def reservations(time: int) -> None:  # what the allocator reserved or gave back for the last request
+        assert simulation.log is not None
+        for action, segment, offset, size in simulation.log:
+            trace.append({"action": action, "addr": base(segment) + offset, "size": size, "stream": 0,
+                          "time_us": time, "frames": [], "category": "unknown"})
+        simulation.log.clear()
 
     for time, kind, index in order:
         _, _, size, category, module, line = events[index]
@@ -60,13 +81,8 @@ def snapshot_of(events: Any, device: int = 0, source: dict[str, Any] | None = No
         named = "unknown" if category == "other" else category
         entry = {"size": size, "stream": 0, "time_us": time, "frames": _frames(category, module, line), "category": named}
         if kind == 0:
-            had = len(simulation._segments)
             simulation.malloc(index, size)
-            if len(simulation._segments) > had:
-                segment = simulation._segments[-1]
-                bases[segment.number] = _BASE + segment.number * _SPACING
-                trace.append({"action": "segment_alloc", "addr": bases[segment.number], "size": segment.size, "stream": 0,
-                              "time_us": time, "frames": [], "category": "unknown"})
+            reservations(time)
             trace.append({"action": "alloc", "addr": address(index), **entry})
         else:
             where = address(index)
@@ -76,22 +92,31 @@ def snapshot_of(events: Any, device: int = 0, source: dict[str, Any] | None = No
     owners = {id(block): key for key, block in simulation._blocks.items()}
     segments: list[dict[str, Any]] = []
     for segment in simulation._segments:
-        blocks: list[dict[str, Any]] = []
+        runs: list[list[Any]] = [[]]  # an expandable segment shows each mapped range as a segment, as PyTorch does
         block = segment.first
         while block is not None:
-            key = owners.get(id(block))
-            frames = _frames(*events[key][3:6]) if key is not None else []
-            blocks.append({"address": bases[segment.number] + block.offset, "size": block.size, "requested_size": block.size,
-                           "state": "active_allocated" if block.allocated else "inactive", "frames": frames})
+            if block.mapped:
+                runs[-1].append(block)
+            elif runs[-1]:
+                runs.append([])
             block = block.next
-        allocated = sum(item["size"] for item in blocks if item["state"] == "active_allocated")
-        segments.append({
-            "device": device, "address": bases[segment.number], "total_size": segment.size, "allocated_size": allocated,
-            "active_size": allocated, "requested_size": allocated, "stream": 0,
-            "segment_type": "small" if segment.small else "large", "segment_pool_id": (0, 0), "is_expandable": False,
-            "frames": [], "blocks": blocks,
-        })
-    data = {"segments": segments, "device_traces": [trace if index == device else [] for index in range(device + 1)]}
+        for run in (run for run in runs if run):
+            blocks: list[dict[str, Any]] = []
+            for block in run:
+                key = owners.get(id(block))
+                frames = _frames(*events[key][3:6]) if key is not None else []
+                blocks.append({"address": base(segment) + block.offset, "size": block.size,
+                               "requested_size": block.size, "frames": frames,
+                               "state": "active_allocated" if block.allocated else "inactive"})
+            allocated = sum(item["size"] for item in blocks if item["state"] == "active_allocated")
+            segments.append({
+                "device": device, "address": blocks[0]["address"], "total_size": sum(item["size"] for item in blocks),
+                "allocated_size": allocated, "active_size": allocated, "requested_size": allocated, "stream": 0,
+                "segment_type": "small" if segment.small else "large", "segment_pool_id": (0, 0),
+                "is_expandable": bool(segment.page), "frames": [], "blocks": blocks,
+            })
+    data = {"segments": segments, "device_traces": [trace if index == device else [] for index in range(device + 1)],
+            "allocator_settings": settings.as_snapshot()}
     if source:
         data["nbmem"] = dict(source)
     return data

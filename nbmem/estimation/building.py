@@ -326,22 +326,85 @@ class _FakeDeepcopy(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+#: Modules that hold blocks without being one: never the block nbmem checkpoints or shards.
+CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
 def repeated_blocks(model: nn.Module) -> type[nn.Module] | None:
-    """The block type to checkpoint: the outermost module type with parameters that repeats.
+    """The block type to checkpoint and to shard as FSDP units, chosen as a person would (issue 24).
+
+    The type whose instances stand side by side in a container (a
+    transformer's layers, a ResNet stage's bottlenecks), the outermost such,
+    the most numerous on a tie; else the outermost module type with
+    parameters and children that repeats, a bare container (``Sequential``,
+    ``ModuleList``, ``ModuleDict``) only where nothing else repeats (a model
+    made of Sequentials). torchvision's ViT keeps its head in a ``Sequential``
+    above the encoder's, which made the whole encoder one block.
 
     >>> encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64), 3, enable_nested_tensor=False)
     >>> repeated_blocks(encoder).__name__
     'TransformerEncoderLayer'
     """
     depths: dict[type, list[int]] = {}
+    stacked: dict[type, int] = {}  # a block type -> the most instances of it side by side in one container
+
+    def composite(module: nn.Module) -> bool:
+        return any(True for _ in module.children()) and any(True for _ in module.parameters())
+
     for name, module in model.named_modules():
-        if name and any(True for _ in module.children()) and any(True for _ in module.parameters()):
+        if type(module) in CONTAINERS:
+            counts: dict[type, int] = {}
+            for child in module.children():
+                if type(child) not in CONTAINERS and composite(child):
+                    counts[type(child)] = counts.get(type(child), 0) + 1
+            for kind, count in counts.items():
+                stacked[kind] = max(stacked.get(kind, 0), count)
+        if name and composite(module):
             depths.setdefault(type(module), []).append(name.count("."))
-    repeated = [(min(levels), kind) for kind, levels in depths.items() if len(levels) >= 2]
-    return min(repeated, key=lambda item: item[0])[1] if repeated else None
+    side_by_side = [(min(depths[kind]), -count, kind) for kind, count in stacked.items() if count >= 2 and kind in depths]
+    if side_by_side:
+        return min(side_by_side, key=lambda item: item[:2])[2]
+    repeated = [(kind in CONTAINERS, min(levels), kind) for kind, levels in depths.items() if len(levels) >= 2]
+    return min(repeated, key=lambda item: item[:2])[2] if repeated else None
 
 
-def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpointing: Any, notes: list[str]) -> str:
+def block_rule(model: nn.Module, block: Any) -> tuple[Callable[[nn.Module], bool] | None, str]:
+    """What ``block=`` names, as a test over modules, and the name a result gives it (None: no block found).
+
+    ``block`` is a module class, a class name, a predicate over modules, or
+    None (:func:`repeated_blocks` chooses). A name no module of the model has
+    raises ValueError listing the candidates.
+    """
+    if block is None:
+        kind = repeated_blocks(model)
+        if kind is None:
+            return None, "no repeated block"
+        return (lambda module: isinstance(module, kind)), kind.__name__
+    if isinstance(block, type):
+        return (lambda module: isinstance(module, block)), block.__name__
+    if isinstance(block, str):
+        names = {type(module).__name__ for module in model.modules()}
+        if block not in names:
+            found = sorted({type(module).__name__ for module in model.modules()
+                            if type(module) not in CONTAINERS and any(True for _ in module.children())})
+            raise ValueError(f"block={block!r} names no module of this model; the types it has with submodules: "
+                             f"{', '.join(found) or 'none'}")
+        return (lambda module: type(module).__name__ == block), block
+    return block, f"where {getattr(block, '__name__', 'your predicate')} says"
+
+
+def check_block(block: Any) -> None:
+    """block= must be None, an nn.Module class, a class name or a predicate: say what to pass otherwise."""
+    if block is None or isinstance(block, str) or (isinstance(block, type) and issubclass(block, nn.Module)):
+        return
+    if callable(block) and not isinstance(block, type):
+        return
+    raise ValueError(f"block={block!r} can't name a block: pass a module class (LlamaDecoderLayer), its name "
+                     "('LlamaDecoderLayer'), or a predicate over modules (lambda module: ...)")
+
+
+def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpointing: Any, notes: list[str],
+                                      block: Any = None) -> str:
     if precision.endswith("-weights"):
         # module.to() swaps fake tensors in place, which FakeTensorMode's own weak
         # references forbid: give nbmem's copy new parameters of the new dtype.
@@ -378,18 +441,19 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
     if callable(checkpointing):
         check, chosen = checkpointing, "on (your predicate)"
     else:
-        own = _own_checkpointing(model)
+        own = _own_checkpointing(model) if block is None else None
         if own is not None:
             notes.append(
                 f"checkpointing: the model's own switch ({own}), as its library trains with it; "
-                "checkpointing=<predicate> chooses the blocks instead"
+                "block= (a class, its name or a predicate) chooses the blocks instead"
             )
             return f"on ({own})"
-        block = repeated_blocks(model)
-        if block is None:
-            notes.append("checkpointing: no repeated block with parameters found; pass checkpointing=<predicate>")
+        rule, label = block_rule(model, block)
+        if rule is None:
+            notes.append("checkpointing: no repeated block with parameters found; name one with block= (a class, "
+                         "its name or a predicate)")
             return "off (no repeated block)"
-        check, chosen = (lambda module: isinstance(module, block)), f"on ({block.__name__})"
+        check, chosen = rule, f"on ({label})"
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=check)
     return chosen

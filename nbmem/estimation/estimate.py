@@ -34,11 +34,13 @@ from .building import (
     apply_precision_and_checkpointing,
     fake_failure,
     fresh_model,
+    block_rule,
     new_fake_mode,
     repeated_blocks,
     without_onednn,
 )
-from .parallel import parallelize, process_group
+from .optimizers import optimizer_factory, target_optimizer_kwargs
+from .parallel import fsdp_units, parallelize, process_group
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name
 from ..core.results import Breakdown
 from ..tracking.compiled import eager_stance
@@ -132,6 +134,23 @@ class Estimate:
     kv_cache_per_token: int | None = None
     #: The knobs as asked for (nbmem.estimation.plan.Plan); the fields above say what they resolved to.
     plan: Plan | None = field(default=None, repr=False, compare=False)
+    #: With estimate(timeline=True): the whole run (model built, then each step), for .to_snapshot() and plotting.
+    timeline: Any = field(default=None, repr=False, compare=False)
+
+    def to_snapshot(self, path: str) -> None:
+        """Write the estimated run as a PyTorch memory snapshot (pytorch.org/memory_viz, ``nbmem.load_snapshot``).
+
+        Needs ``estimate(..., timeline=True)``. The segments are the allocator
+        simulation's under the estimate's allocator settings (``alloc_conf``).
+        """
+        if self.timeline is None:
+            raise ValueError("to_snapshot needs the run's allocations, which only a timeline keeps: "
+                             "estimate(..., timeline=True)")
+        from ..core.snapshot_export import snapshot_of, write_snapshot
+
+        source = {"mode": self.mode, "device": self.device, "label": self.plan.describe() if self.plan else ""}
+        settings = self.plan.allocator if self.plan is not None else None
+        write_snapshot(snapshot_of(self.timeline.events, 0, source, settings), path)
 
     @property
     def peak(self) -> int:
@@ -233,6 +252,9 @@ def estimate(
     prompt_length: int | None = None,
     new_tokens: int | None = None,
     alloc_conf: Any = None,
+    block: Any = None,
+    zero_grad: str = "after_step",
+    timeline: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
 
@@ -263,7 +285,10 @@ def estimate(
     the loss (under autocast for ``"bf16"``/``"fp16"``) and holds the batch,
     the output and the loss until ``backward()`` returns, then drops them;
     then ``optimizer.step()`` and ``zero_grad(set_to_none=True)``, so no
-    gradient lives between steps. Yours may hold more or less: pass
+    gradient lives between steps; ``zero_grad="keep"`` (a loop that calls
+    ``zero_grad(set_to_none=False)``) or ``"before_backward"`` (one that
+    zeroes between the loss and ``backward()``) keeps them through the next
+    forward, as those loops do. Yours may hold more or less: pass
     ``step=train_step``, your own ``train_step(model, batch, optimizer)``,
     and nbmem runs it instead, with the same tracker and knobs
     (:mod:`nbmem.estimation.userstep` has the contract): ``batch`` is what ``batch``
@@ -317,17 +342,18 @@ def estimate(
         precision=precision, checkpointing=checkpointing, accumulation=accumulation, foreach=foreach, device=device,
         mode=mode, enforce_capacity=enforce_capacity, parallel=parallel, world_size=world_size, rank=rank, step=step,
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
-        new_tokens=new_tokens, alloc_conf=alloc_conf,
+        new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, zero_grad=zero_grad,
     )
     try:
-        return estimate_plan(model, batch, plan)
+        return estimate_plan(model, batch, plan, timeline=timeline)
     except (ValueError, AssertionError, RuntimeError) as error:
         if not from_bitsandbytes(error):
             raise
         raise ValueError(bitsandbytes_message(error, plan.mode)) from error
 
 
-def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan) -> Estimate:
+def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan,
+                  timeline: bool = False) -> Estimate:
     """:func:`estimate` for a :class:`~nbmem.estimation.plan.Plan` already made (a sweep's, a search's)."""
     if batch is None and plan.task != "generate":
         raise ValueError(f"task={plan.task!r} needs batch, a function that takes a batch size and returns the model's input")
@@ -369,18 +395,28 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        with group as mesh, without_onednn(), outer, scope(capacity=limit) as whole, contextlib.ExitStack() as target_rules:
+        with group as mesh, without_onednn(), outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             network = apply_trainable(network, trainable, notes)
             if task == "generate":
                 check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
-            block = repeated_blocks(network)
-            chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes)
-            make_optimizer = _optimizer_factory(optimizer)
-            optimizer_kwargs = _target_optimizer_kwargs(optimizer, plan.foreach, mode, notes)
+            unit, unit_name = block_rule(network, plan.block)  # before checkpointing wraps the blocks
+            if parallel.startswith("fsdp"):
+                units = len(fsdp_units(network, unit))
+                notes.append(f"FSDP units: each {unit_name} ({units}), then the rest of the model as one; block= "
+                             "(a class, its name or a predicate) names another" if units else
+                             "FSDP: no repeated block found, so the whole model is one unit (all parameters gathered "
+                             "at once); name the block with block=")
+            chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes, block=plan.block)
+            if precision.endswith("-weights") and simulation is not None:
+                # a real loader puts the weights on the GPU in their own dtype: the fp32 build and its cast,
+                # which only nbmem's copy of the model went through, never reach its allocator (issue 24)
+                tracker.simulator = simulation = simulation.relaid()
+            make_optimizer = optimizer_factory(optimizer)
+            optimizer_kwargs = target_optimizer_kwargs(optimizer, plan.foreach, mode, notes)
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
-                network, parallel, mesh, fake=fake_mode is not None, block=block, make_optimizer=make_optimizer,
+                network, parallel, mesh, fake=fake_mode is not None, block=unit, make_optimizer=make_optimizer,
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
             )
             region = policy.region if policy is not None else torch.autocast
@@ -394,7 +430,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             elif step is None:
                 scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_step, network, batch, batch_size, plan.loss, opt, scaler, precision,
-                                             plan.accumulation, run_on, autocast_region=region)
+                                             plan.accumulation, run_on, autocast_region=region,
+                                             zero_grad=plan.zero_grad)
             else:
                 scaler = AlwaysSteppingScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
@@ -494,7 +531,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         world_size=plan.world_size,
         rank=rank,
         notes=tuple(notes),
-        step=step_label(step),
+        step=step_label(step, plan.zero_grad),
         trained=trained,
         task=task,
         prompt_length=plan.prompt_length,
@@ -502,45 +539,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         plan=plan,
         kv_cache=cache.bytes if task == "generate" else None,
         kv_cache_per_token=cache.per_token if task == "generate" else None,
+        timeline=whole.result.timeline if timeline and whole.result is not None else None,
     )
-
-
-def _optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> Callable[..., Any]:
-    """How nbmem builds the optimizer: by name, the user's factory, or (None: the user's step brings its own) none."""
-    if optimizer is None:
-        return lambda parameters, **kwargs: None
-    return OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
-
-
-def _target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str]) -> dict[str, Any]:
-    """The optimizer's implementation on the GPU the estimate is for, named in ``notes``.
-
-    On CUDA, torch.optim's built-in optimizers default to the foreach
-    implementation when neither ``foreach`` nor ``fused`` is given: all
-    parameters are plain tensors, parameters or DTensors on a foreach device,
-    and "cpu" is not one (torch/optim/optimizer.py _default_to_fused_or_foreach;
-    fused is never the default). Foreach holds temporaries for a whole
-    parameter group at once (Adam's sqrt of the second moments), so on fake CPU
-    tensors, which default to the per-tensor loop, nbmem asks for it. CPU's
-    foreach ops loop per tensor (foreach_tensor_*_slow) but allocate the same
-    list of outputs as CUDA's fast path, so the peak is CUDA's.
-    """
-    if foreach is not None:
-        notes.append(f"optimizer: foreach={foreach}, as asked")
-        return {"foreach": foreach}
-    if optimizer is None:  # the user's step builds its own
-        return {}
-    if not isinstance(optimizer, str):
-        notes.append("optimizer: your factory's own defaults (built-in optimizers default to foreach on CUDA)")
-        return {}
-    if mode == "measured":
-        notes.append(f"optimizer: {optimizer} with CUDA's default, the foreach implementation")
-        return {}
-    notes.append(
-        f"optimizer: {optimizer} with the foreach implementation, CUDA's default (on a CPU PyTorch would loop "
-        "tensor by tensor); pass foreach=False for the per-tensor loop"
-    )
-    return {"foreach": True}
 
 
 def _real_rank(parallel: str) -> int:

@@ -123,7 +123,7 @@ def parallelize(
     mesh: Any,
     *,
     fake: bool,
-    block: type[nn.Module] | None,
+    block: Callable[[nn.Module], bool] | None,
     make_optimizer: Callable[..., torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any],
     classify: Callable[[torch.Tensor, str], None],
@@ -143,7 +143,7 @@ def parallelize(
     from torch.distributed.fsdp import fully_shard
 
     reshard = parallel == "fsdp"
-    for unit in _units(model, block):
+    for unit in fsdp_units(model, block):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     for parameter in model.parameters():  # the local shards: FSDP2 swaps them in without registering them
@@ -151,8 +151,8 @@ def parallelize(
     return model, make_optimizer(model.parameters(), **optimizer_kwargs)
 
 
-def _units(model: nn.Module, block: type[nn.Module] | None) -> list[nn.Module]:
-    """FSDP2's units: each outermost repeated block (inside its checkpoint wrapper, if any)."""
+def fsdp_units(model: nn.Module, block: Callable[[nn.Module], bool] | None) -> list[nn.Module]:
+    """FSDP2's units: each outermost module ``block`` accepts (inside its checkpoint wrapper, if any)."""
     if block is None:
         return []
     found: list[nn.Module] = []
@@ -160,7 +160,7 @@ def _units(model: nn.Module, block: type[nn.Module] | None) -> list[nn.Module]:
     def visit(module: nn.Module) -> None:
         for child in module.children():
             inner = getattr(child, "_checkpoint_wrapped_module", child)
-            if isinstance(inner, block):
+            if block(inner):
                 found.append(child)
             else:
                 visit(child)

@@ -33,6 +33,7 @@ import torch
 
 from ..core.allocator_settings import AllocatorSettings, resolve_alloc_conf
 from .autocast_policy import AUTOCAST_POLICIES
+from .building import check_block
 from .finetune import check_trainable, trainable_label
 from .parallel import check_parallel, per_device_batch
 from .tasks import check_task
@@ -54,6 +55,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "adamw": torch.optim.AdamW,
     "adagrad": torch.optim.Adagrad,
     "rmsprop": torch.optim.RMSprop,
+    # one kernel per parameter group, updating in place: no foreach temporaries (Hugging Face's adamw_torch_fused)
+    "adam-fused": functools.partial(torch.optim.Adam, fused=True),
+    "adamw-fused": functools.partial(torch.optim.AdamW, fused=True),
 }
 
 
@@ -91,6 +95,12 @@ class Plan:
     #: The caching allocator's settings the simulated reserved figure follows: a PYTORCH_ALLOC_CONF string, an
     #: AllocatorSettings, or None (this process's PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, as CUDA would read it).
     alloc_conf: str | AllocatorSettings | None = None
+    #: The repeated block checkpointing wraps and FSDP shards as one unit: a module class, its name, a predicate over
+    #: modules, or None (nbmem chooses: nbmem.estimation.building.repeated_blocks).
+    block: Any = None
+    #: Where the built-in step zeroes gradients (nbmem.estimation.step.ZERO_GRAD): "after_step" (set_to_none=True),
+    #: "keep" (set_to_none=False: kept, zero-filled), "before_backward" (zero_grad() between the loss and backward).
+    zero_grad: str = "after_step"
     #: The settings alloc_conf resolves to.
     allocator: AllocatorSettings = field(init=False, repr=False, compare=False)
     #: The batch size each device runs (from batch_size, or global_batch_size / (world_size x accumulation)).
@@ -113,9 +123,14 @@ class Plan:
                 f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}, or pass a function "
                 "that takes the parameters and returns a torch.optim.Optimizer"
             )
+        if isinstance(self.optimizer, str) and self.optimizer.endswith("-fused") and self.foreach is not None:
+            raise ValueError(f"optimizer={self.optimizer!r} is the fused implementation, which takes no foreach: leave "
+                             f"foreach out, or use {self.optimizer.removesuffix('-fused')!r} with foreach=")
         check_step(self.step, accumulation=self.accumulation, loss=self.loss, optimizer=self.optimizer,
                    parallel=self.parallel, precision=self.precision)
         check_trainable(self.trainable)
+        check_block(self.block)
+        self._check_zero_grad()
         if self.task != "train" and self.trainable is not None:
             raise ValueError(
                 f"trainable= chooses what a training step updates, and task={self.task!r} updates nothing: leave trainable out"
@@ -142,6 +157,18 @@ class Plan:
             raise ValueError(
                 f"rank must be one of the {self.world_size} ranks, 0 to {self.world_size - 1}, got {self.rank!r}"
             )
+
+    def _check_zero_grad(self) -> None:
+        from .step import ZERO_GRAD
+
+        if self.zero_grad not in ZERO_GRAD:
+            raise ValueError(f"unknown zero_grad {self.zero_grad!r}: use one of {', '.join(ZERO_GRAD)} (where your loop "
+                             "calls optimizer.zero_grad, and with which set_to_none)")
+        if self.zero_grad != "after_step" and self.step is not None:
+            raise ValueError("zero_grad= says where nbmem's built-in step zeroes the gradients, and your step= zeroes "
+                             "them itself: leave zero_grad out")
+        if self.zero_grad != "after_step" and self.task != "train":
+            raise ValueError(f"zero_grad= applies to training, and task={self.task!r} computes no gradients: leave it out")
 
     def _resolved_batch_size(self) -> Any:
         check_parallel(self.parallel, self.world_size)
@@ -185,8 +212,12 @@ class Plan:
                 words.append(f"training {trainable_label(self.trainable)}")
             if self.step is not None:
                 words.append(f"your step {step_name(self.step)}")
+            if self.zero_grad != "after_step":
+                words.append(f"zero_grad {self.zero_grad}")
         if self.parallel != "single":
             words.append(f"{self.parallel} on {self.world_size} GPUs")
+        if self.block is not None:
+            words.append(f"block {block_label(self.block)}")
         if not self.allocator.is_default:
             words.append(f"allocator {self.allocator}")
         return ", ".join(words)
@@ -205,6 +236,11 @@ def optimizer_name(optimizer: str | Callable[..., torch.optim.Optimizer] | None)
     if optimizer is None:
         return "your step's own optimizer"
     return optimizer if isinstance(optimizer, str) else getattr(optimizer, "__name__", "custom")
+
+
+def block_label(block: Any) -> str:
+    """How a plan names block=: the class's or function's name, or the name given."""
+    return block if isinstance(block, str) else getattr(block, "__name__", "your predicate")
 
 
 def _check_accumulation(accumulation: Any) -> None:

@@ -8,7 +8,12 @@ the loss until ``backward()`` returns; then they are dropped (the output is
 not kept through the optimizer step). Gradients accumulate across the
 micro-batches. After the last one: ``optimizer.step()`` (with fp16, the
 GradScaler's unscale/step/update), then ``zero_grad(set_to_none=True)``, so
-gradients do not live between steps.
+gradients do not live between steps. Where real loops zero differently,
+``zero_grad=`` says so (:data:`ZERO_GRAD`): ``"keep"``, as
+``zero_grad(set_to_none=False)`` does, keeps them allocated (zero-filled)
+through the next forward; ``"before_backward"``, a loop that calls
+``zero_grad()`` between the loss and ``backward()``, keeps the last step's
+gradients alive through the next forward.
 
 A user's loop that differs (holds the output longer, clips, keeps an EMA,
 zeroes elsewhere) moves the peak: ``nbmem.estimate(..., step=train_step)``
@@ -26,7 +31,14 @@ from torch import nn
 
 from .building import default_device
 
-__all__ = ["run_step", "prepared_batch", "checked_batch", "cast_floats", "moved_to", "AUTOCAST_DTYPES"]
+__all__ = ["run_step", "prepared_batch", "checked_batch", "cast_floats", "moved_to", "AUTOCAST_DTYPES", "ZERO_GRAD"]
+
+#: Where the built-in step zeroes the gradients, and what each loop writes.
+ZERO_GRAD = {
+    "after_step": "optimizer.step(), then zero_grad(set_to_none=True)",
+    "keep": "optimizer.step(), then zero_grad(set_to_none=False): the gradients stay allocated, zero-filled",
+    "before_backward": "zero_grad() between the loss and backward(): the last step's gradients live through the forward",
+}
 
 #: The autocast dtype of each mixed precision (the others run without autocast).
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,15 +55,18 @@ def run_step(
     accumulation: int,
     device: torch.device,
     autocast_region: Callable[..., Any] = torch.autocast,
+    zero_grad: str = "after_step",
 ) -> None:
     dtype = AUTOCAST_DTYPES.get(precision)
-    for _ in range(accumulation):
+    for micro_batch in range(accumulation):
         inputs = prepared_batch(batch_fn, batch_size, precision, device)
         # autocast_region: torch.autocast, or one that follows CUDA's op lists on the CPU (nbmem.estimation.autocast_policy)
         autocast = autocast_region(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
         with autocast:
             output = _forward(model, inputs)
             value = loss_fn(output, inputs) if loss_fn is not None else _default_loss(output, inputs)
+        if zero_grad == "before_backward" and micro_batch == 0:
+            optimizer.zero_grad(set_to_none=True)
         (scaler.scale(value) if scaler is not None else value).backward()
         del output, value, inputs
     if scaler is not None:
@@ -62,7 +77,8 @@ def run_step(
         scaler.update()
     else:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if zero_grad != "before_backward":
+        optimizer.zero_grad(set_to_none=zero_grad == "after_step")
 
 
 def prepared_batch(

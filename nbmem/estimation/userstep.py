@@ -158,9 +158,15 @@ def _accepts(step: Callable[..., Any], count: int) -> bool:
     return True
 
 
-def step_label(step: Any) -> str:
-    """What a result says about the step that ran: the built-in one (None) or the user's, by name."""
-    return BUILT_IN if step is None else f"yours: {step_name(step)}, run as written"
+def step_label(step: Any, zero_grad: str = "after_step") -> str:
+    """What a result says about the step that ran: the built-in one (None), zeroing as it did, or the user's, by name."""
+    if step is not None:
+        return f"yours: {step_name(step)}, run as written"
+    if zero_grad == "after_step":
+        return BUILT_IN
+    from .step import ZERO_GRAD
+
+    return BUILT_IN.split("; optimizer.step()")[0] + "; " + ZERO_GRAD[zero_grad]
 
 
 def step_name(step: Any) -> str:

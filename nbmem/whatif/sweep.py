@@ -59,6 +59,9 @@ def sweep(
     prompt_length: int | None | Iterable[int] = None,
     new_tokens: int | None | Iterable[int] = None,
     alloc_conf: Any = None,
+    block: Any = None,
+    zero_grad: str = "after_step",
+    timeline: bool = False,
     progress: bool = True,
 ) -> Comparison:
     """Run every combination of the knobs and compare their peaks.
@@ -100,7 +103,14 @@ def sweep(
     configurations, so each one's reserved peak is its own.
 
     ``alloc_conf`` (a PYTORCH_ALLOC_CONF string; see :func:`nbmem.estimate`)
-    sets the allocator settings every simulated reserved figure follows.
+    sets the allocator settings every simulated reserved figure follows;
+    ``block`` names the block checkpointing wraps and FSDP shards, and
+    ``zero_grad`` where the built-in step zeroes gradients (see
+    :func:`nbmem.estimate`).
+    ``timeline=True`` keeps each configuration's allocations (one process's:
+    a launched data-parallel run keeps none): ``table.rows[i].result`` then
+    plots them and writes them for PyTorch's memory viewer
+    (``.to_snapshot(path)``).
 
     ``progress`` (True or False) shows which configuration runs, how many
     remain and what each finished one gave, where it can be seen: a widget in
@@ -147,8 +157,8 @@ def sweep(
         capacity, label = parse_capacity(device)
     planned: list[tuple[tuple[str, Any], ...]] = []  # each configuration's knobs, as its row shows them
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
-    base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf,
-                **_enforced(mode, capacity))
+    base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf, block=block,
+                zero_grad=zero_grad, **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
@@ -172,7 +182,8 @@ def sweep(
                 shown.begin(", ".join(f"{axis}={_shown(axis, options[axis])}" for axis in shown_axes))
                 try:
                     with shown.attempt():
-                        rows.append(SweepRow(config, run_configuration(model, batch, plan, on_rank=shown.ranks)))
+                        rows.append(SweepRow(config, run_configuration(model, batch, plan, on_rank=shown.ranks,
+                                                                       timeline=timeline)))
                 except torch.OutOfMemoryError:
                     rows.append(SweepRow(config, None, "OOM"))
                 finally:
@@ -239,7 +250,8 @@ def real_mode() -> str:
     return "measured" if torch.cuda.is_available() else "tracked"
 
 
-def run_configuration(model: Any, batch: Any, plan: Plan, on_rank: Callable[[int, int], None] | None = None) -> Estimate:
+def run_configuration(model: Any, batch: Any, plan: Plan, on_rank: Callable[[int, int], None] | None = None,
+                      timeline: bool = False) -> Estimate:
     """One configuration: an estimate, a real run here, or (data-parallel, real) a launch's largest rank.
 
     A rank that ran out of memory raises ``torch.OutOfMemoryError``, as a run in this process would;
@@ -247,7 +259,7 @@ def run_configuration(model: Any, batch: Any, plan: Plan, on_rank: Callable[[int
     ``on_rank(finished, world_size)`` hears of every rank of a launch that ends well.
     """
     if plan.mode == "estimated" or plan.parallel == "single":
-        return estimate_plan(model, batch, plan)
+        return estimate_plan(model, batch, plan, timeline=timeline)
     try:
         return launch_plan(model, batch, plan, progress=False, on_rank=on_rank).worst
     except RankError as error:
