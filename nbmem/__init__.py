@@ -48,6 +48,8 @@ __all__ = [
     "profile_notebook",
     "load_snapshot",
     "Snapshot",
+    "estimate_trainer",
+    "MemoryCallback",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
@@ -82,6 +84,8 @@ _LAZY = {
     "profile_notebook": "frontend.profiling",
     "load_snapshot": "core.snapshot",
     "Snapshot": "core.snapshot",
+    "estimate_trainer": "whatif.training_arguments",
+    "MemoryCallback": "frontend.trainer_callback",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,6 +109,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .core.units import format_bytes, parse_bytes
     from .frontend.profiling import profile_notebook
     from .core.snapshot import Snapshot, load_snapshot
+    from .whatif.training_arguments import estimate_trainer
+    from .frontend.trainer_callback import MemoryCallback
 
 
 def __getattr__(name: str) -> Any:

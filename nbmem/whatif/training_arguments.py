@@ -1,0 +1,241 @@
+"""Start from the training configuration you already have: a Hugging Face ``TrainingArguments`` or ``Trainer``.
+
+:func:`estimate_trainer` reads the settings that change memory and estimates
+the step they describe (:func:`nbmem.estimate`): the per-device batch,
+gradient accumulation, ``bf16``/``fp16``, gradient (activation) checkpointing,
+``optim``, FSDP and its wrapped layer class, ``torch_compile``.
+:func:`knobs_from_training_arguments` returns what it read: the estimate's
+knobs, a note on what each setting became, and the settings it did not
+understand, which are never silently ignored: the estimate refuses them
+(``strict=True``, the default) or lists them in its notes (``strict=False``).
+transformers stays an optional dependency: nothing here imports it.
+
+Example (with transformers installed)::
+
+    args = TrainingArguments("out", per_device_train_batch_size=8, bf16=True, gradient_checkpointing=True)
+    print(nbmem.estimate_trainer(args, model=build, batch=make_batch, device="A10G"))
+    print(nbmem.estimate_trainer(trainer, device="A10G"))    # its model, its dataset and collator
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..estimation.estimate import Estimate, estimate
+from ..estimation.userstep import estimating
+
+__all__ = ["estimate_trainer", "knobs_from_training_arguments", "TrainingKnobs", "OPTIM"]
+
+#: Hugging Face's ``optim`` names nbmem estimates, and the optimizer each means (the others are not understood yet:
+#: bitsandbytes' and torchao's low-bit and paged optimizers, GaLore, LOMO, schedule-free: issue 25).
+OPTIM = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw-fused",
+    "sgd": "sgd",
+    "adagrad": "adagrad",
+    "rmsprop": "rmsprop",
+    "adafactor": "adafactor",
+}
+
+# FSDP options (transformers' FSDPOption) and what each is here
+_FSDP = {"full_shard": "fsdp", "shard_grad_op": "fsdp-no-reshard"}
+
+
+@dataclass(frozen=True)
+class TrainingKnobs:
+    """What a ``TrainingArguments`` says, as :func:`nbmem.estimate` knobs."""
+
+    #: estimate's keyword arguments
+    knobs: dict[str, Any]
+    #: what each setting that matters became, in words
+    read: tuple[str, ...]
+    #: settings that change memory which nbmem does not estimate (never ignored silently)
+    not_understood: tuple[str, ...]
+
+
+def adafactor(parameters: Any, **options: Any) -> Any:
+    from transformers.optimization import Adafactor
+
+    # Trainer's own defaults for optim="adafactor" (transformers' trainer get_optimizer_cls_and_kwargs)
+    return Adafactor(parameters, scale_parameter=False, relative_step=False, lr=1e-3, **options)
+
+
+def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> TrainingKnobs:
+    """The estimate knobs a ``transformers.TrainingArguments`` (or anything with its attributes) describes.
+
+    >>> from types import SimpleNamespace
+    >>> args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=8, bf16=True, fp16=False,
+    ...                        gradient_checkpointing=True, optim="adamw_torch_fused")
+    >>> knobs_from_training_arguments(args).knobs
+    {'batch_size': 4, 'accumulation': 8, 'precision': 'bf16', 'checkpointing': True, 'optimizer': 'adamw-fused'}
+    """
+    knobs: dict[str, Any] = {}
+    read: list[str] = []
+    unknown: list[str] = []
+
+    def setting(name: str, default: Any = None) -> Any:
+        value = getattr(args, name, default)
+        return getattr(value, "value", value)  # an enum (OptimizerNames, FSDPOption) by its value
+
+    knobs["batch_size"] = int(setting("per_device_train_batch_size", 8))
+    knobs["accumulation"] = int(setting("gradient_accumulation_steps", 1))
+    read.append(f"per_device_train_batch_size={knobs['batch_size']}, gradient_accumulation_steps="
+                f"{knobs['accumulation']}: batch_size and accumulation")
+    if setting("bf16", False) and setting("fp16", False):
+        unknown.append("bf16=True and fp16=True together (transformers refuses them too)")
+    knobs["precision"] = "bf16" if setting("bf16", False) else "fp16" if setting("fp16", False) else "fp32"
+    if knobs["precision"] != "fp32":
+        read.append(f"{knobs['precision']}=True: {knobs['precision']} autocast over fp32 weights, as the Trainer's AMP")
+    # transformers 5 renamed gradient_checkpointing to activation_checkpointing; both may be there
+    if setting("activation_checkpointing", False) or setting("gradient_checkpointing", False):
+        knobs["checkpointing"] = True
+        options = setting("activation_checkpointing_kwargs") or setting("gradient_checkpointing_kwargs") or {}
+        read.append("gradient checkpointing: the model's own switch, as the Trainer turns it on"
+                    + (f" (its kwargs {options} change no memory nbmem counts)" if options else ""))
+    optim = str(setting("optim", "adamw_torch"))
+    if optim in OPTIM:
+        knobs["optimizer"] = adafactor if OPTIM[optim] == "adafactor" else OPTIM[optim]
+        if optim != "adamw_torch":
+            read.append(f"optim={optim!r}: " + ("transformers' Adafactor with the Trainer's arguments"
+                                                if optim == "adafactor" else repr(OPTIM[optim])))
+    else:
+        unknown.append(f"optim={optim!r} (nbmem estimates {', '.join(OPTIM)})")
+    if setting("optim_args"):
+        unknown.append(f"optim_args={setting('optim_args')!r}")
+    _read_fsdp(setting, knobs, read, unknown, world_size)
+    if setting("deepspeed"):
+        unknown.append("deepspeed (ZeRO stages 2 and 3 are not estimated; parallel='zero1' or 'fsdp' with world_size= "
+                       "are the nearest)")
+    if setting("torch_compile", False):
+        read.append("torch_compile=True: estimated as the eager step (nbmem runs compiled code eagerly on fake tensors)")
+    if setting("use_liger_kernel", False):
+        unknown.append("use_liger_kernel=True (Liger's fused kernels hold less than the model's own)")
+    return TrainingKnobs(knobs, tuple(read), tuple(unknown))
+
+
+def _read_fsdp(setting: Callable[..., Any], knobs: dict[str, Any], read: list[str], unknown: list[str],
+               world_size: int | None) -> None:
+    """FSDP as transformers 5 says it (fsdp=True, fsdp_config's reshard_after_forward, cpu_offload) or 4 (a list of
+    FSDPOption such as "full_shard auto_wrap")."""
+    fsdp = setting("fsdp") or False
+    config = dict(setting("fsdp_config") or {})
+    size = world_size if world_size is not None else int(setting("world_size", 1) or 1)
+    if fsdp is True:
+        strategy = "fsdp" if config.pop("reshard_after_forward", True) else "fsdp-no-reshard"
+        said = f"fsdp=True, reshard_after_forward={strategy == 'fsdp'}"
+    elif fsdp:
+        options = [getattr(option, "value", option) for option in (fsdp.split() if isinstance(fsdp, str) else fsdp)]
+        unknown += [f"fsdp option {option!r}" for option in options
+                    if option not in _FSDP and option not in ("auto_wrap", "offload")]
+        if "offload" in options:
+            config["cpu_offload"] = True
+        strategies = [_FSDP[option] for option in options if option in _FSDP]
+        strategy, said = (strategies[0] if strategies else ""), f"fsdp={' '.join(options)}"
+    else:
+        strategy = ""
+    if strategy:
+        knobs["parallel"], knobs["world_size"] = strategy, size
+        read.append(f"{said}: parallel={strategy!r} on {size} GPUs")
+        if size < 2:
+            unknown.append("FSDP on one process: pass world_size= (how many GPUs the run shards over)")
+        layers = config.pop("transformer_layer_cls_to_wrap", None) or config.pop("fsdp_transformer_layer_cls_to_wrap", None)
+        if layers:
+            names = [layers] if isinstance(layers, str) else list(layers)
+            knobs["block"] = names[0]
+            read.append(f"transformer_layer_cls_to_wrap={names[0]!r}: block={names[0]!r}")
+            if len(names) > 1:
+                unknown.append(f"more than one layer class to wrap ({', '.join(names)}): the first is used")
+        if config.pop("activation_checkpointing", False):
+            knobs["checkpointing"] = True
+            read.append("fsdp_config activation_checkpointing: checkpointing=True")
+        for key in ("cpu_offload", "offload_params", "fsdp_offload_params"):
+            if config.pop(key, False):
+                unknown.append(f"fsdp_config {key} (CPU offload is not estimated)")
+        if config.pop("min_num_params", 0):
+            unknown.append("fsdp_config min_num_params (units chosen by size are not estimated: block= names them)")
+    elif size > 1:
+        knobs["parallel"], knobs["world_size"] = "ddp", size
+        read.append(f"{size} processes, no FSDP: parallel='ddp'")
+
+
+def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, strict: bool = True,
+                     world_size: int | None = None, **knobs: Any) -> Estimate:
+    """Estimate the training step a Hugging Face ``Trainer`` or ``TrainingArguments`` describes.
+
+    ``source`` is a ``Trainer`` (its model, its train dataset through its
+    data collator as the batch, its arguments) or a ``TrainingArguments``, or
+    a dict of them (then pass ``model``, a module or a function that builds
+    one, and ``batch``, a function of the batch size, as to
+    :func:`nbmem.estimate`).
+    Settings that change memory and that nbmem does not estimate raise
+    ValueError naming them (``strict=False`` estimates without them and lists
+    them in the notes); ``world_size`` is how many GPUs an FSDP or DDP run
+    spans (the arguments know only this process). Any other keyword is an
+    :func:`nbmem.estimate` knob and wins over the arguments (``device="A10G"``,
+    ``optimizer="adamw"`` in place of one not understood).
+
+    Example (with transformers installed)::
+
+        args = TrainingArguments("out", per_device_train_batch_size=8, bf16=True, gradient_checkpointing=True)
+        print(nbmem.estimate_trainer(args, model=build, batch=make_batch, device="A10G"))
+        print(nbmem.estimate_trainer(trainer, device="A10G", mode="tracked"))   # a real step of it, on this CPU
+    """
+    args = getattr(source, "args", source)
+    if isinstance(args, Mapping):  # the arguments as a dict (TrainingArguments(**it) may refuse bf16 on a CPU)
+        args = SimpleNamespace(**args)
+    if not hasattr(args, "per_device_train_batch_size"):
+        raise TypeError(f"estimate_trainer reads a transformers Trainer or TrainingArguments, not "
+                        f"{type(source).__name__}")
+    if model is None:
+        model = getattr(source, "model", None)
+        if model is None:
+            raise ValueError("pass model= (a module or a function that builds one): TrainingArguments have no model")
+    if batch is None:
+        batch = _dataset_batches(source)
+    read = knobs_from_training_arguments(args, world_size)
+    settings = {**read.knobs, **knobs}
+    # a knob given explicitly answers for the setting it replaces
+    unresolved = [text for text in read.not_understood if not _overridden(text, knobs)]
+    if unresolved and strict:
+        raise ValueError("these training settings change memory and nbmem does not estimate them: "
+                         + "; ".join(unresolved) + ". Pass the knob that stands for each (optimizer=..., "
+                         "world_size=...), or strict=False to estimate without them")
+    result = estimate(model, batch, **settings)
+    notes = [f"from the training arguments: {text}" for text in read.read]
+    notes += [f"not estimated: {text}" for text in unresolved]
+    return dataclasses.replace(result, notes=(*notes, *result.notes))
+
+
+def _overridden(text: str, knobs: dict[str, Any]) -> bool:
+    return ("optimizer" in knobs and text.startswith(("optim=", "optim_args="))) or \
+        ("world_size" in knobs and "world_size=" in text)
+
+
+def _dataset_batches(trainer: Any) -> Callable[[int], Any]:
+    """A Trainer's batches: its train dataset's first examples (repeated if it has fewer), through its collator."""
+    dataset, collate = getattr(trainer, "train_dataset", None), getattr(trainer, "data_collator", None)
+    if dataset is None or collate is None:
+        raise ValueError("pass batch= (a function of the batch size): this has no train dataset and data collator "
+                         "to make batches from")
+    if len(dataset) == 0:
+        raise ValueError("the Trainer's train dataset is empty: pass batch= (a function of the batch size)")
+
+    def batch(size: int) -> Any:
+        if not estimating():  # a real run (mode="tracked" or "measured"): the real examples
+            return collate([dataset[index % len(dataset)] for index in range(size)])
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # the dataset's tensors are real: collated outside the fake mode
+            real = collate([dataset[index % len(dataset)] for index in range(size)])
+        # and made again inside it with their shapes and dtypes (an estimate needs no values)
+        return tree_map(lambda value: torch.empty(value.shape, dtype=value.dtype)
+                        if isinstance(value, torch.Tensor) else value, real)
+
+    return batch

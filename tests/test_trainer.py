@@ -1,0 +1,134 @@
+"""Hugging Face's Trainer (issue 24): estimates read from its arguments, and a callback that records each step.
+
+Tiny GPT-2s built from a config (nothing downloaded), trained for real on the
+CPU for a few steps. transformers is an optional dependency (nbmem[zoo]).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nbmem
+from _zoo import need
+
+need("transformers", env="NBMEM_REQUIRE_ZOO")
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, default_data_collator  # noqa: E402
+
+from nbmem.whatif.training_arguments import knobs_from_training_arguments  # noqa: E402
+
+CONFIG = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+DATA = [{"input_ids": torch.randint(0, 128, (32,)), "labels": torch.randint(0, 128, (32,))} for _ in range(8)]
+
+
+def arguments(tmp_path, **options):
+    options = {"per_device_train_batch_size": 4, "report_to": [], "use_cpu": True, "save_strategy": "no",
+               "logging_strategy": "no", **options}
+    return TrainingArguments(str(tmp_path / "out"), **options)
+
+
+def build():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(CONFIG)
+
+
+def tokens(size):
+    return {"input_ids": torch.randint(0, 128, (size, 32)), "labels": torch.randint(0, 128, (size, 32))}
+
+
+def test_the_arguments_become_the_estimates_knobs(tmp_path):
+    args = arguments(tmp_path, gradient_accumulation_steps=2, gradient_checkpointing=True, optim="adamw_torch_fused")
+    read = knobs_from_training_arguments(args)
+    assert read.knobs == {"batch_size": 4, "accumulation": 2, "precision": "fp32", "checkpointing": True,
+                          "optimizer": "adamw-fused"}
+    assert read.not_understood == ()
+    trainer = Trainer(model=build(), args=args, train_dataset=DATA, data_collator=default_data_collator)
+    # the Trainer's model and its dataset through its collator: the same figures as the knobs given by hand
+    from_trainer = nbmem.estimate_trainer(trainer)
+    by_hand = nbmem.estimate(build, tokens, batch_size=4, accumulation=2, checkpointing=True, optimizer="adamw-fused")
+    assert (from_trainer.first_step, from_trainer.steady) == (by_hand.first_step, by_hand.steady)
+    assert any(note.startswith("from the training arguments: per_device_train_batch_size=4") for note in from_trainer.notes)
+    from_arguments = nbmem.estimate_trainer(args, model=build, batch=tokens)
+    assert from_arguments.steady == by_hand.steady
+
+
+def test_settings_nbmem_does_not_estimate_are_named_never_ignored(tmp_path):
+    args = arguments(tmp_path, optim="adamw_bnb_8bit", fsdp=True,
+                     fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    read = knobs_from_training_arguments(args)
+    assert read.knobs["parallel"] == "fsdp" and read.knobs["block"] == "GPT2Block"
+    assert any(text.startswith("optim='adamw_bnb_8bit'") for text in read.not_understood)
+    with pytest.raises(ValueError, match=r"optim='adamw_bnb_8bit'.*world_size="):
+        nbmem.estimate_trainer(args, model=build, batch=tokens)
+    # the knobs that stand for them, given: estimated, FSDP's units the named block
+    result = nbmem.estimate_trainer(args, model=build, batch=tokens, optimizer="adamw", world_size=2)
+    assert any(note.startswith("FSDP units: each GPT2Block (2)") for note in result.notes)
+    lenient = nbmem.estimate_trainer(args, model=build, batch=tokens, world_size=2, strict=False)
+    assert any(note.startswith("not estimated: optim='adamw_bnb_8bit'") for note in lenient.notes)
+    # ZeRO-2-like sharding (transformers 4's shard_grad_op, 5's reshard_after_forward=False) and offload
+    args = arguments(tmp_path, fsdp=True, fsdp_config={"reshard_after_forward": False, "cpu_offload": True})
+    read = knobs_from_training_arguments(args, world_size=4)
+    assert (read.knobs["parallel"], read.knobs["world_size"]) == ("fsdp-no-reshard", 4)
+    assert read.not_understood == ("fsdp_config cpu_offload (CPU offload is not estimated)",)
+
+
+def test_the_callback_records_each_step(tmp_path):
+    callback = nbmem.MemoryCallback(backend="tracked", device="cpu", quiet=True)
+    args = arguments(tmp_path, max_steps=3, optim="adamw_torch", max_grad_norm=0.0)
+    trainer = Trainer(model=build(), args=args, train_dataset=DATA, data_collator=default_data_collator,
+                      callbacks=[callback])
+    trainer.train()
+    steps = list(callback.history)
+    assert [result.label for result in steps] == ["training step 1", "training step 2", "training step 3"]
+    assert all(result.mode == "tracked" and result.device == "cpu" for result in steps)
+    # the first step makes AdamW's state and keeps it: two moments per parameter (GPT-2 ties its head to the
+    # embedding, so each is counted once) and the step count, a 4-byte tensor per parameter (a 512 B block each);
+    # and two scalars the Trainer keeps for its log, the step's loss and the gradients' norm (512 B each)
+    parameters = list(trainer.model.parameters())
+    state = sum(2 * (-(-p.numel() * 4 // 512) * 512) + 512 for p in parameters)
+    assert steps[0].retained == state + 2 * 512
+    # from then on nothing new lives on but those two scalars, replaced each step (and at times dropped between steps)
+    assert all(abs(result.retained) <= 2 * 512 for result in steps[1:])
+    assert steps[1].peak_allocated > steps[0].peak_allocated - steps[0].retained  # the state is there at each peak
+    assert callback.summary().startswith("gpumem: 3 training steps tracked on cpu; the highest, training step ")
+
+
+def test_an_interrupted_training_leaves_nothing_installed(tmp_path):
+    from nbmem.tracking.tracker import default_tracker
+
+    class Stop(Exception):
+        pass
+
+    class Interrupt(nbmem.MemoryCallback):
+        def on_step_begin(self, *args, **kwargs):
+            super().on_step_begin(*args, **kwargs)
+            raise Stop  # training stops mid-step, as a Ctrl-C would: on_step_end never comes
+
+    callback = Interrupt(backend="tracked", device="cpu", quiet=True)
+    trainer = Trainer(model=build(), args=arguments(tmp_path, max_steps=2), train_dataset=DATA,
+                      data_collator=default_data_collator, callbacks=[callback])
+    with pytest.raises(Stop):
+        trainer.train()
+    assert default_tracker("cpu").active  # the step's scope is still open here
+    callback.close()  # what the end of a notebook cell does by itself
+    assert not default_tracker("cpu").active and len(callback.history) == 0
+
+
+def test_in_a_notebook_the_cells_end_closes_an_interrupted_step(shell, tmp_path):
+    from nbmem.tracking.tracker import default_tracker
+
+    class Interrupt(nbmem.MemoryCallback):
+        def on_step_begin(self, *args, **kwargs):
+            super().on_step_begin(*args, **kwargs)
+            raise KeyboardInterrupt  # Ctrl-C inside the step
+
+    callback = Interrupt(backend="tracked", device="cpu", quiet=True)
+    trainer = Trainer(model=build(), args=arguments(tmp_path, max_steps=2), train_dataset=DATA,
+                      data_collator=default_data_collator, callbacks=[callback])
+    shell.push({"trainer": trainer})
+    result = shell.run_cell("trainer.train()")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert not default_tracker("cpu").active  # closed when the cell ended
+    assert callback._cell_ended not in shell.events.callbacks["post_run_cell"]  # and nothing of it left behind
+    shell.run_cell("del trainer")
