@@ -404,7 +404,7 @@ def check_block(block: Any) -> None:
 
 
 def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpointing: Any, notes: list[str],
-                                      block: Any = None) -> str:
+                                      block: Any = None, saves: Any = None) -> str:
     if precision.endswith("-weights"):
         # module.to() swaps fake tensors in place, which FakeTensorMode's own weak
         # references forbid: give nbmem's copy new parameters of the new dtype.
@@ -438,23 +438,32 @@ def apply_precision_and_checkpointing(model: nn.Module, precision: str, checkpoi
         checkpoint_wrapper,
     )
 
+    extra: dict[str, Any] = {}
+    kept = ""
+    if saves is not None:
+        from .selective import context_factory, saves_label
+
+        extra["context_fn"] = context_factory(saves)
+        kept = f", keeping {saves_label(saves)}"
+        notes.append(f"checkpointing: selective, each checkpointed block keeps the outputs of {saves_label(saves)} "
+                     "and recomputes the rest (torch.utils.checkpoint.create_selective_checkpoint_contexts)")
     if callable(checkpointing):
-        check, chosen = checkpointing, "on (your predicate)"
+        check, chosen = checkpointing, f"on (your predicate{kept})"
     else:
-        own = _own_checkpointing(model) if block is None else None
+        own = _own_checkpointing(model, extra) if block is None else None
         if own is not None:
             notes.append(
                 f"checkpointing: the model's own switch ({own}), as its library trains with it; "
                 "block= (a class, its name or a predicate) chooses the blocks instead"
             )
-            return f"on ({own})"
+            return f"on ({own}{kept})"
         rule, label = block_rule(model, block)
         if rule is None:
             notes.append("checkpointing: no repeated block with parameters found; name one with block= (a class, "
                          "its name or a predicate)")
             return "off (no repeated block)"
-        check, chosen = rule, f"on ({label})"
-    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+        check, chosen = rule, f"on ({label}{kept})"
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **extra)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=check)
     return chosen
 
@@ -469,7 +478,7 @@ def _own_config(model: nn.Module, config: Any) -> Any:
     return own
 
 
-def _own_checkpointing(model: nn.Module) -> str | None:
+def _own_checkpointing(model: nn.Module, extra: dict[str, Any] | None = None) -> str | None:
     """Turn on the model's library's own activation checkpointing, if it has one; say which (None: it has none).
 
     Hugging Face: ``activation_checkpointing_enable`` (``gradient_checkpointing_enable``
@@ -479,19 +488,23 @@ def _own_checkpointing(model: nn.Module) -> str | None:
     a second time (transformers' modeling_layers.GradientCheckpointingLayer). timm:
     ``set_grad_checkpointing()``. Their choice of blocks can save more than
     nbmem's repeated block (T5's stacks, timm's stages). A PEFT model passes
-    these through to the model it wraps.
+    these through to the model it wraps. ``extra`` (selective checkpointing's
+    ``context_fn``) goes to ``torch.utils.checkpoint.checkpoint`` where the
+    library passes keywords on (Hugging Face); timm's switch takes none, so
+    then nbmem's own wrapper serves (None returned).
     """
+    kwargs = {"use_reentrant": False, **(extra or {})}
     if getattr(model, "supports_gradient_checkpointing", False):
         enable = getattr(model, "activation_checkpointing_enable", None)
         if callable(enable):
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable(activation_checkpointing_kwargs=kwargs)
             name = "activation_checkpointing_enable"
         else:
-            getattr(model, "gradient_checkpointing_enable")(gradient_checkpointing_kwargs={"use_reentrant": False})
+            getattr(model, "gradient_checkpointing_enable")(gradient_checkpointing_kwargs=kwargs)
             name = "gradient_checkpointing_enable"
         return f"Hugging Face {name}, use_cache=False"
     enable = getattr(model, "set_grad_checkpointing", None)
-    if callable(enable):
+    if callable(enable) and not extra:
         enable(True)
         return "timm set_grad_checkpointing"
     return None

@@ -253,6 +253,7 @@ def estimate(
     new_tokens: int | None = None,
     alloc_conf: Any = None,
     block: Any = None,
+    checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
     timeline: bool = False,
 ) -> Estimate:
@@ -342,7 +343,8 @@ def estimate(
         precision=precision, checkpointing=checkpointing, accumulation=accumulation, foreach=foreach, device=device,
         mode=mode, enforce_capacity=enforce_capacity, parallel=parallel, world_size=world_size, rank=rank, step=step,
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
-        new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, zero_grad=zero_grad,
+        new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
+        zero_grad=zero_grad,
     )
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
@@ -407,7 +409,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                              "(a class, its name or a predicate) names another" if units else
                              "FSDP: no repeated block found, so the whole model is one unit (all parameters gathered "
                              "at once); name the block with block=")
-            chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes, block=plan.block)
+            chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes, block=plan.block,
+                                                       saves=plan.checkpoint_saves)
             if precision.endswith("-weights") and simulation is not None:
                 # a real loader puts the weights on the GPU in their own dtype: the fp32 build and its cast,
                 # which only nbmem's copy of the model went through, never reach its allocator (issue 24)

@@ -34,6 +34,7 @@ import torch
 from ..core.allocator_settings import AllocatorSettings, resolve_alloc_conf
 from .autocast_policy import AUTOCAST_POLICIES
 from .building import check_block
+from .selective import check_saves, saves_label
 from .finetune import check_trainable, trainable_label
 from .parallel import check_parallel, per_device_batch
 from .tasks import check_task
@@ -98,6 +99,9 @@ class Plan:
     #: The repeated block checkpointing wraps and FSDP shards as one unit: a module class, its name, a predicate over
     #: modules, or None (nbmem chooses: nbmem.estimation.building.repeated_blocks).
     block: Any = None
+    #: Selective checkpointing: what checkpointed blocks keep (nbmem.estimation.selective): "matmuls",
+    #: "every-other-matmul", a list of ops, or a policy function; None keeps only each block's inputs.
+    checkpoint_saves: Any = None
     #: Where the built-in step zeroes gradients (nbmem.estimation.step.ZERO_GRAD): "after_step" (set_to_none=True),
     #: "keep" (set_to_none=False: kept, zero-filled), "before_backward" (zero_grad() between the loss and backward).
     zero_grad: str = "after_step"
@@ -130,6 +134,7 @@ class Plan:
                    parallel=self.parallel, precision=self.precision)
         check_trainable(self.trainable)
         check_block(self.block)
+        check_saves(self.checkpoint_saves, self.checkpointing)
         self._check_zero_grad()
         if self.task != "train" and self.trainable is not None:
             raise ValueError(
@@ -206,6 +211,8 @@ class Plan:
                 words.append("checkpointing per block")
             elif self.checkpointing is not False:
                 words.append(f"checkpointing where {step_name(self.checkpointing)} says")
+            if self.checkpoint_saves is not None:
+                words.append(f"keeping {saves_label(self.checkpoint_saves)}")
             foreach = {True: " foreach", False: " for-loop", None: ""}[self.foreach]
             words.append(f"{optimizer_name(self.optimizer)}{foreach}")
             if self.trainable is not None:

@@ -162,6 +162,7 @@ def max_batch_size(
     trainable: Any = None,
     alloc_conf: Any = None,
     block: Any = None,
+    checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
     progress: bool = True,
 ) -> BatchSizeResult:
@@ -201,8 +202,9 @@ def max_batch_size(
     ``alloc_conf`` (``"expandable_segments:True"``, ...; see
     :func:`nbmem.estimate`) sets the allocator settings the simulated
     segments follow; by default this process's PYTORCH_ALLOC_CONF. ``block``
-    names the block checkpointing wraps and FSDP shards, ``zero_grad``
-    where the built-in step zeroes gradients.
+    names the block checkpointing wraps and FSDP shards,
+    ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
+    the built-in step zeroes gradients.
 
     ``progress`` (True or False) shows each estimate and real trial as it
     runs and what it gave (fits or OOM, and its peak), where it can be seen
@@ -245,7 +247,7 @@ def max_batch_size(
     plan = Plan(batch_size=1, precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss,
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
-                zero_grad=zero_grad)
+                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 

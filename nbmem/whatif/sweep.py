@@ -60,6 +60,7 @@ def sweep(
     new_tokens: int | None | Iterable[int] = None,
     alloc_conf: Any = None,
     block: Any = None,
+    checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
     timeline: bool = False,
     progress: bool = True,
@@ -104,9 +105,9 @@ def sweep(
 
     ``alloc_conf`` (a PYTORCH_ALLOC_CONF string; see :func:`nbmem.estimate`)
     sets the allocator settings every simulated reserved figure follows;
-    ``block`` names the block checkpointing wraps and FSDP shards, and
-    ``zero_grad`` where the built-in step zeroes gradients (see
-    :func:`nbmem.estimate`).
+    ``block`` names the block checkpointing wraps and FSDP shards,
+    ``checkpoint_saves`` what checkpointed blocks keep, and ``zero_grad``
+    where the built-in step zeroes gradients (see :func:`nbmem.estimate`).
     ``timeline=True`` keeps each configuration's allocations (one process's:
     a launched data-parallel run keeps none): ``table.rows[i].result`` then
     plots them and writes them for PyTorch's memory viewer
@@ -158,7 +159,7 @@ def sweep(
     planned: list[tuple[tuple[str, Any], ...]] = []  # each configuration's knobs, as its row shows them
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
     base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf, block=block,
-                zero_grad=zero_grad, **_enforced(mode, capacity))
+                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad, **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
@@ -169,7 +170,9 @@ def sweep(
             continue  # one device has no world size to vary; a task ran this configuration already
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
         # the optimizer it names (a task that trains nothing shows 'none' and builds none)
-        plans.append(Plan(**base, **{**options, "optimizer": chosen["optimizer"]}))
+        # what checkpointed blocks keep applies to the configurations that checkpoint
+        kept = {} if options["checkpointing"] is not False else {"checkpoint_saves": None}
+        plans.append(Plan(**{**base, **kept}, **{**options, "optimizer": chosen["optimizer"]}))
         planned.append(config)
     shown_axes = [axis for axis in grid if len(grid[axis]) > 1] or ["batch_size"]
     title = f"gpumem sweep, {mode}" + (f" on {label}" if label else "")
