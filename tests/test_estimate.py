@@ -303,3 +303,25 @@ def test_a_fused_optimizer_holds_its_state_and_no_temporaries():
     assert any("fused=True" in note for note in fused.notes)
     with pytest.raises(ValueError, match="takes no foreach"):
         estimate(build, make, batch_size=2, optimizer="adamw-fused", foreach=True)
+
+
+def test_the_optimizer_step_fused_into_backward_frees_each_gradient_as_it_goes():
+    build = lambda: nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 10))  # noqa: E731
+    make = lambda n: (torch.randn(n, 1024), torch.randint(0, 10, (n,)))  # noqa: E731
+    # every parameter's gradient, had they all lived at once: 16,777,216 + 16,384 + 163,840 + 40 (a 512 B block)
+    gradients = 16_777_216 + 16_384 + 163_840 + 512
+
+    def run(**options):
+        return estimate(build, make, batch_size=64, optimizer="adamw", **options)
+
+    fused, plain = run(optimizer_in_backward=True), run()
+    assert plain.breakdown.category("gradient") == gradients  # all of them, at the peak
+    assert fused.breakdown.category("gradient") < plain.breakdown.category("gradient")
+    # the same optimizer state (AdamW's two moments and step per parameter), made inside backward
+    assert fused.breakdown.category("optimizer state") == plain.breakdown.category("optimizer state")
+    assert fused.steady < plain.steady
+    tracked = run(optimizer_in_backward=True, mode="tracked")  # PyTorch's own hooks and optimizers, for real
+    assert (tracked.first_step, tracked.steady) == (fused.first_step, fused.steady)
+    assert "optimizer step in backward" in fused.plan.describe()
+    with pytest.raises(ValueError, match="with accumulation, it would step once per micro-batch"):
+        run(optimizer_in_backward=True, accumulation=2)

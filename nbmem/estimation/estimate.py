@@ -39,7 +39,7 @@ from .building import (
     repeated_blocks,
     without_onednn,
 )
-from .optimizers import optimizer_factory, target_optimizer_kwargs
+from .optimizers import in_backward, optimizer_factory, target_optimizer_kwargs
 from .parallel import fsdp_units, parallelize, process_group
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name
 from ..core.results import Breakdown
@@ -255,6 +255,7 @@ def estimate(
     block: Any = None,
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
+    optimizer_in_backward: bool = False,
     timeline: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
@@ -289,7 +290,10 @@ def estimate(
     gradient lives between steps; ``zero_grad="keep"`` (a loop that calls
     ``zero_grad(set_to_none=False)``) or ``"before_backward"`` (one that
     zeroes between the loss and ``backward()``) keeps them through the next
-    forward, as those loops do. Yours may hold more or less: pass
+    forward, as those loops do; ``optimizer_in_backward=True`` steps each
+    parameter inside backward as soon as its gradient is complete and frees
+    the gradient, so the gradients never all live at once. Yours may hold
+    more or less: pass
     ``step=train_step``, your own ``train_step(model, batch, optimizer)``,
     and nbmem runs it instead, with the same tracker and knobs
     (:mod:`nbmem.estimation.userstep` has the contract): ``batch`` is what ``batch``
@@ -344,7 +348,7 @@ def estimate(
         mode=mode, enforce_capacity=enforce_capacity, parallel=parallel, world_size=world_size, rank=rank, step=step,
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
-        zero_grad=zero_grad,
+        zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward,
     )
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
@@ -416,6 +420,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 # which only nbmem's copy of the model went through, never reach its allocator (issue 24)
                 tracker.simulator = simulation = simulation.relaid()
             make_optimizer = optimizer_factory(optimizer)
+            if plan.optimizer_in_backward:
+                make_optimizer = in_backward(make_optimizer)
+                notes.append("optimizer: stepped inside backward, one optimizer per parameter in its "
+                             "post-accumulate-grad hook, each gradient freed there (PyTorch's fused-backward recipe)")
             optimizer_kwargs = target_optimizer_kwargs(optimizer, plan.foreach, mode, notes)
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(

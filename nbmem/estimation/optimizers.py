@@ -8,7 +8,7 @@ import torch
 
 from .plan import OPTIMIZERS
 
-__all__ = ["optimizer_factory", "target_optimizer_kwargs"]
+__all__ = ["optimizer_factory", "target_optimizer_kwargs", "OptimizerInBackward", "in_backward"]
 
 
 def optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> Callable[..., Any]:
@@ -51,3 +51,49 @@ def target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, not
         "tensor by tensor); pass foreach=False for the per-tensor loop"
     )
     return {"foreach": True}
+
+
+class OptimizerInBackward:
+    """The optimizer step fused into backward: one optimizer per parameter, stepped by its post-accumulate-grad hook.
+
+    PyTorch's recipe ("How to save memory by fusing the optimizer step into
+    the backward pass"): as soon as a parameter's gradient is complete, its
+    own optimizer steps and the gradient is freed, so the gradients never all
+    live at once. The training loop's ``step()`` and ``zero_grad()`` then have
+    nothing left to do. ``state`` gathers the per-parameter optimizers' state.
+    """
+
+    def __init__(self, parameters: Any, factory: Callable[..., Any], **options: Any) -> None:
+        self.optimizers: dict[torch.Tensor, Any] = {}
+        self._handles = []
+        for parameter in parameters:
+            if parameter.requires_grad and parameter not in self.optimizers:
+                self.optimizers[parameter] = factory([parameter], **options)
+                self._handles.append(parameter.register_post_accumulate_grad_hook(self._step))
+
+    def _step(self, parameter: torch.Tensor) -> None:
+        optimizer = self.optimizers[parameter]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def state(self) -> dict[torch.Tensor, Any]:
+        return {parameter: optimizer.state[parameter] for parameter, optimizer in self.optimizers.items()
+                if parameter in optimizer.state}
+
+    def step(self) -> None:
+        """Nothing: each parameter stepped in backward."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing: each gradient was freed in backward."""
+
+    def remove(self) -> None:
+        """Take the hooks off the parameters."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def in_backward(factory: Callable[..., Any]) -> Callable[..., OptimizerInBackward]:
+    """``factory``, made to step each parameter inside backward (:class:`OptimizerInBackward`)."""
+    return lambda parameters, **options: OptimizerInBackward(parameters, factory, **options)

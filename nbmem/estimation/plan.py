@@ -105,6 +105,9 @@ class Plan:
     #: Where the built-in step zeroes gradients (nbmem.estimation.step.ZERO_GRAD): "after_step" (set_to_none=True),
     #: "keep" (set_to_none=False: kept, zero-filled), "before_backward" (zero_grad() between the loss and backward).
     zero_grad: str = "after_step"
+    #: The optimizer step fused into backward: each parameter steps (its own optimizer) as soon as its gradient is
+    #: complete, and the gradient is freed (nbmem.estimation.optimizers.OptimizerInBackward).
+    optimizer_in_backward: bool = False
     #: The settings alloc_conf resolves to.
     allocator: AllocatorSettings = field(init=False, repr=False, compare=False)
     #: The batch size each device runs (from batch_size, or global_batch_size / (world_size x accumulation)).
@@ -136,6 +139,7 @@ class Plan:
         check_block(self.block)
         check_saves(self.checkpoint_saves, self.checkpointing)
         self._check_zero_grad()
+        self._check_in_backward()
         if self.task != "train" and self.trainable is not None:
             raise ValueError(
                 f"trainable= chooses what a training step updates, and task={self.task!r} updates nothing: leave trainable out"
@@ -174,6 +178,18 @@ class Plan:
                              "them itself: leave zero_grad out")
         if self.zero_grad != "after_step" and self.task != "train":
             raise ValueError(f"zero_grad= applies to training, and task={self.task!r} computes no gradients: leave it out")
+
+    def _check_in_backward(self) -> None:
+        if not self.optimizer_in_backward:
+            return
+        reason = ("your step= builds its own loop" if self.step is not None else
+                  f"task={self.task!r} trains nothing" if self.task != "train" else
+                  "with accumulation, it would step once per micro-batch" if self.accumulation != 1 else
+                  f"parallel={self.parallel!r} steps sharded optimizers after backward" if self.parallel != "single"
+                  else "")
+        if reason:
+            raise ValueError(f"optimizer_in_backward=True steps each parameter inside backward, and {reason}: "
+                             "leave it out here")
 
     def _resolved_batch_size(self) -> Any:
         check_parallel(self.parallel, self.world_size)
@@ -221,6 +237,8 @@ class Plan:
                 words.append(f"your step {step_name(self.step)}")
             if self.zero_grad != "after_step":
                 words.append(f"zero_grad {self.zero_grad}")
+            if self.optimizer_in_backward:
+                words.append("optimizer step in backward")
         if self.parallel != "single":
             words.append(f"{self.parallel} on {self.world_size} GPUs")
         if self.block is not None:

@@ -164,6 +164,7 @@ def max_batch_size(
     block: Any = None,
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
+    optimizer_in_backward: bool = False,
     progress: bool = True,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
@@ -204,7 +205,8 @@ def max_batch_size(
     segments follow; by default this process's PYTORCH_ALLOC_CONF. ``block``
     names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
-    the built-in step zeroes gradients.
+    the built-in step zeroes gradients, ``optimizer_in_backward`` steps each
+    parameter inside backward.
 
     ``progress`` (True or False) shows each estimate and real trial as it
     runs and what it gave (fits or OOM, and its peak), where it can be seen
@@ -247,7 +249,8 @@ def max_batch_size(
     plan = Plan(batch_size=1, precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss,
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
-                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad)
+                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
+                optimizer_in_backward=optimizer_in_backward)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 

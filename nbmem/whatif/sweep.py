@@ -62,6 +62,7 @@ def sweep(
     block: Any = None,
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
+    optimizer_in_backward: bool = False,
     timeline: bool = False,
     progress: bool = True,
 ) -> Comparison:
@@ -106,8 +107,9 @@ def sweep(
     ``alloc_conf`` (a PYTORCH_ALLOC_CONF string; see :func:`nbmem.estimate`)
     sets the allocator settings every simulated reserved figure follows;
     ``block`` names the block checkpointing wraps and FSDP shards,
-    ``checkpoint_saves`` what checkpointed blocks keep, and ``zero_grad``
-    where the built-in step zeroes gradients (see :func:`nbmem.estimate`).
+    ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad``
+    where the built-in step zeroes gradients, and ``optimizer_in_backward``
+    steps each parameter inside backward (see :func:`nbmem.estimate`).
     ``timeline=True`` keeps each configuration's allocations (one process's:
     a launched data-parallel run keeps none): ``table.rows[i].result`` then
     plots them and writes them for PyTorch's memory viewer
@@ -159,7 +161,8 @@ def sweep(
     planned: list[tuple[tuple[str, Any], ...]] = []  # each configuration's knobs, as its row shows them
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
     base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf, block=block,
-                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad, **_enforced(mode, capacity))
+                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
+                optimizer_in_backward=optimizer_in_backward, **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
