@@ -265,3 +265,26 @@ def test_an_estimate_leaves_the_excepthook_as_it_was():
     before = sys.excepthook
     nbmem.estimate(build, make, batch_size=4, parallel="fsdp", world_size=2, optimizer="sgd")
     assert sys.excepthook is before
+
+
+def test_fsdp_mixed_precision_gathers_and_computes_in_bf16_and_keeps_fp32_shards():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from test_blocks import VisionTransformer, tokens
+
+    def run(policy):
+        return nbmem.estimate(VisionTransformer, tokens, batch_size=8, parallel="fsdp", world_size=4, mp_policy=policy)
+
+    plain, mixed = run(None), run("bf16")
+    at_peak = lambda result, name: dict(result.breakdown.at_peak)[name]  # noqa: E731
+    # the shards and AdamW's state on them stay fp32; the gathered parameters and the activations are bf16
+    assert at_peak(mixed, "optimizer state") == at_peak(plain, "optimizer state")
+    assert at_peak(mixed, "parameter") < at_peak(plain, "parameter")
+    assert at_peak(mixed, "activation") < at_peak(plain, "activation") and mixed.steady < plain.steady
+    given = run(MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    assert (given.first_step, given.steady) == (mixed.first_step, mixed.steady)  # "bf16" is that policy
+    assert "FSDP mixed precision bf16" in mixed.plan.describe()
+    with pytest.raises(ValueError, match="mp_policy= is FSDP2's mixed precision, and parallel='ddp'"):
+        nbmem.estimate(VisionTransformer, tokens, batch_size=2, parallel="ddp", world_size=2, mp_policy="bf16")
+    with pytest.raises(ValueError, match="unknown mp_policy 'fp8'"):
+        run("fp8")

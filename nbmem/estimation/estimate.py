@@ -256,6 +256,7 @@ def estimate(
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
+    mp_policy: Any = None,
     timeline: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
@@ -281,6 +282,10 @@ def estimate(
     fake process group, so any world size runs here. ``batch_size`` is per
     GPU; or give ``global_batch_size``, which must divide into ``world_size``
     x ``accumulation``. Real runs of a strategy: :func:`nbmem.launch`.
+    ``mp_policy`` is FSDP2's mixed precision, apart from autocast: ``"bf16"``
+    (or ``"fp16"``) gathers parameters and computes in it and reduces
+    gradients in fp32, the shards staying fp32; or FSDP2's own
+    ``MixedPrecisionPolicy``.
 
     The step nbmem runs (:mod:`nbmem.estimation.step`), twice (``first_step``, then
     ``steady``): for each micro-batch it makes the batch, runs forward and
@@ -348,7 +353,7 @@ def estimate(
         mode=mode, enforce_capacity=enforce_capacity, parallel=parallel, world_size=world_size, rank=rank, step=step,
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
-        zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward,
+        zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy,
     )
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
@@ -428,7 +433,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=unit, make_optimizer=make_optimizer,
-                optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify,
+                optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify, mp_policy=plan.mp_policy,
             )
             region = policy.region if policy is not None else torch.autocast
             cache = CacheRecord()

@@ -127,6 +127,7 @@ def parallelize(
     make_optimizer: Callable[..., torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any],
     classify: Callable[[torch.Tensor, str], None],
+    mp_policy: Any = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Wrap ``model`` as the strategy does and build its optimizer."""
     if parallel == "single":
@@ -143,12 +144,43 @@ def parallelize(
     from torch.distributed.fsdp import fully_shard
 
     reshard = parallel == "fsdp"
+    policy = {} if mp_policy is None else {"mp_policy": fsdp_mixed_precision(mp_policy)}
     for unit in fsdp_units(model, block):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policy)
     for parameter in model.parameters():  # the local shards: FSDP2 swaps them in without registering them
         classify(parameter, "parameter")
     return model, make_optimizer(model.parameters(), **optimizer_kwargs)
+
+
+#: FSDP2 mixed-precision shorthands: the dtype parameters are gathered and computed in; gradients reduced in fp32.
+MP_POLICIES = ("bf16", "fp16")
+
+
+def fsdp_mixed_precision(policy: Any) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for ``mp_policy=``: "bf16"/"fp16" (parameters gathered and computed in it,
+    gradients reduced in fp32, as torchtitan does), or a policy given as is."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if isinstance(policy, str):
+        dtype = torch.bfloat16 if policy == "bf16" else torch.float16
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    return policy
+
+
+def check_mp_policy(policy: Any, parallel: str) -> None:
+    """mp_policy= only means something to FSDP, and must be a shorthand or FSDP2's MixedPrecisionPolicy."""
+    if policy is None:
+        return
+    if not parallel.startswith("fsdp"):
+        raise ValueError(f"mp_policy= is FSDP2's mixed precision, and parallel={parallel!r}: use parallel='fsdp' "
+                         "(or precision='bf16' for autocast)")
+    if isinstance(policy, str):
+        if policy not in MP_POLICIES:
+            raise ValueError(f"unknown mp_policy {policy!r}: use 'bf16' or 'fp16', or a "
+                             "torch.distributed.fsdp.MixedPrecisionPolicy")
+    elif not hasattr(policy, "param_dtype"):
+        raise ValueError(f"mp_policy={policy!r} is not a torch.distributed.fsdp.MixedPrecisionPolicy, 'bf16' or 'fp16'")
 
 
 def fsdp_units(model: nn.Module, block: Callable[[nn.Module], bool] | None) -> list[nn.Module]:

@@ -36,7 +36,7 @@ from .autocast_policy import AUTOCAST_POLICIES
 from .building import check_block
 from .selective import check_saves, saves_label
 from .finetune import check_trainable, trainable_label
-from .parallel import check_parallel, per_device_batch
+from .parallel import check_mp_policy, check_parallel, per_device_batch
 from .tasks import check_task
 from .userstep import check_step, step_name
 
@@ -108,6 +108,8 @@ class Plan:
     #: The optimizer step fused into backward: each parameter steps (its own optimizer) as soon as its gradient is
     #: complete, and the gradient is freed (nbmem.estimation.optimizers.OptimizerInBackward).
     optimizer_in_backward: bool = False
+    #: FSDP2's mixed precision (fully_shard's mp_policy): "bf16"/"fp16" or a MixedPrecisionPolicy; None: fp32 shards.
+    mp_policy: Any = None
     #: The settings alloc_conf resolves to.
     allocator: AllocatorSettings = field(init=False, repr=False, compare=False)
     #: The batch size each device runs (from batch_size, or global_batch_size / (world_size x accumulation)).
@@ -140,6 +142,7 @@ class Plan:
         check_saves(self.checkpoint_saves, self.checkpointing)
         self._check_zero_grad()
         self._check_in_backward()
+        check_mp_policy(self.mp_policy, self.parallel)
         if self.task != "train" and self.trainable is not None:
             raise ValueError(
                 f"trainable= chooses what a training step updates, and task={self.task!r} updates nothing: leave trainable out"
@@ -241,6 +244,8 @@ class Plan:
                 words.append("optimizer step in backward")
         if self.parallel != "single":
             words.append(f"{self.parallel} on {self.world_size} GPUs")
+        if self.mp_policy is not None:
+            words.append(f"FSDP mixed precision {self.mp_policy if isinstance(self.mp_policy, str) else 'policy given'}")
         if self.block is not None:
             words.append(f"block {block_label(self.block)}")
         if not self.allocator.is_default:

@@ -165,6 +165,7 @@ def max_batch_size(
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
+    mp_policy: Any = None,
     progress: bool = True,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
@@ -206,7 +207,7 @@ def max_batch_size(
     names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
     the built-in step zeroes gradients, ``optimizer_in_backward`` steps each
-    parameter inside backward.
+    parameter inside backward, ``mp_policy`` is FSDP2's mixed precision.
 
     ``progress`` (True or False) shows each estimate and real trial as it
     runs and what it gave (fits or OOM, and its peak), where it can be seen
@@ -250,7 +251,7 @@ def max_batch_size(
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
-                optimizer_in_backward=optimizer_in_backward)
+                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 

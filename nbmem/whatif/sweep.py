@@ -63,6 +63,7 @@ def sweep(
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
+    mp_policy: Any = None,
     timeline: bool = False,
     progress: bool = True,
 ) -> Comparison:
@@ -108,8 +109,9 @@ def sweep(
     sets the allocator settings every simulated reserved figure follows;
     ``block`` names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad``
-    where the built-in step zeroes gradients, and ``optimizer_in_backward``
-    steps each parameter inside backward (see :func:`nbmem.estimate`).
+    where the built-in step zeroes gradients, ``optimizer_in_backward``
+    steps each parameter inside backward, and ``mp_policy`` is FSDP2's mixed
+    precision, for the FSDP configurations (see :func:`nbmem.estimate`).
     ``timeline=True`` keeps each configuration's allocations (one process's:
     a launched data-parallel run keeps none): ``table.rows[i].result`` then
     plots them and writes them for PyTorch's memory viewer
@@ -162,7 +164,7 @@ def sweep(
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
     base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
-                optimizer_in_backward=optimizer_in_backward, **_enforced(mode, capacity))
+                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
@@ -174,7 +176,9 @@ def sweep(
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
         # the optimizer it names (a task that trains nothing shows 'none' and builds none)
         # what checkpointed blocks keep applies to the configurations that checkpoint
-        kept = {} if options["checkpointing"] is not False else {"checkpoint_saves": None}
+        kept: dict[str, Any] = {} if options["checkpointing"] is not False else {"checkpoint_saves": None}
+        if not options["parallel"].startswith("fsdp"):  # FSDP2's mixed precision, for the FSDP configurations
+            kept["mp_policy"] = None
         plans.append(Plan(**{**base, **kept}, **{**options, "optimizer": chosen["optimizer"]}))
         planned.append(config)
     shown_axes = [axis for axis in grid if len(grid[axis]) > 1] or ["batch_size"]
