@@ -99,3 +99,30 @@ def test_a_sweep_applies_the_policy_where_it_checkpoints():
     assert off.result.checkpointing == "off" and on.result.checkpointing == "on (Block, keeping matmuls)"
     alone = nbmem.estimate(build, make, batch_size=1024, optimizer="sgd", checkpointing=True, checkpoint_saves="matmuls")
     assert on.peak == alone.peak
+
+
+def test_the_attention_implementation_is_a_knob_for_hugging_face_models():
+    from _zoo import need
+
+    need("transformers", env="NBMEM_REQUIRE_ZOO")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=1000, n_positions=512, bos_token_id=0,
+                        eos_token_id=0)
+
+    def tokens(n):
+        return {"input_ids": torch.randint(0, 1000, (n, 512)), "labels": torch.randint(0, 1000, (n, 512))}
+
+    def run(attention, mode="estimated"):
+        return nbmem.estimate(lambda: GPT2LMHeadModel(config), tokens, batch_size=4, optimizer="sgd",
+                              attention=attention, mode=mode)
+
+    eager, sdpa, flash = run("eager"), run("sdpa"), run("flash_attention_2")
+    # eager keeps each layer's 4 x 4 x 512 x 512 attention matrix (16 MiB in fp32) and what softmax and dropout made
+    assert eager.steady > sdpa.steady + 2 * 16 * 1024**2
+    assert (eager.first_step, eager.steady) == (lambda real: (real.first_step, real.steady))(run("eager", "tracked"))
+    assert flash.steady == sdpa.steady and any("estimated as sdpa" in note for note in flash.notes)
+    with pytest.raises(ValueError, match="unknown attention 'flex'"):
+        run("flex")
+    with pytest.raises(ValueError, match="has none: leave attention out"):
+        nbmem.estimate(build, make, batch_size=2, attention="eager")

@@ -34,7 +34,7 @@ import torch
 
 from .kernels import ScopedKernels
 
-__all__ = ["FusedAttention"]
+__all__ = ["FusedAttention", "set_attention", "check_attention", "IMPLEMENTATIONS"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # the schema: (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False)
@@ -94,3 +94,39 @@ class FusedAttention(ScopedKernels):
                 "flash kernel did not apply); a GPU's fused kernel may hold less there"
             )
         return notes
+
+
+#: Hugging Face attention implementations an estimate can set (attn_implementation), and what each runs here.
+IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def check_attention(attention: Any) -> None:
+    if attention is not None and attention not in IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention {attention!r}: use one of {', '.join(IMPLEMENTATIONS)} (Hugging Face's "
+                         "attn_implementation), or leave it out for the model's own")
+
+
+def set_attention(model: torch.nn.Module, attention: str | None, notes: list[str]) -> None:
+    """Set a Hugging Face model's attention implementation, as ``attn_implementation=`` would load it.
+
+    ``"eager"`` computes the L x L attention matrix in Python and autograd
+    keeps it (and the softmax and dropout results) for backward; ``"sdpa"``
+    calls ``scaled_dot_product_attention``, modelled as CUDA's fused kernels
+    (:class:`FusedAttention`). FlashAttention 2 and 3 save what those kernels
+    save (the output and a log-sum-exp per row) and can't run without their
+    CUDA package, so they are estimated as ``"sdpa"``, and the notes say so.
+    """
+    if attention is None:
+        return
+    setter = getattr(model, "set_attn_implementation", None)
+    if not callable(setter):
+        raise ValueError(f"attention={attention!r} sets a Hugging Face model's attn_implementation, and "
+                         f"{type(model).__name__} has none: leave attention out")
+    if attention.startswith("flash_attention"):
+        notes.append(f"attention: {attention} estimated as sdpa's fused kernels, which save what it saves (the output "
+                     "and a log-sum-exp per row); its CUDA package can't run here")
+        attention = "sdpa"
+    setter(attention)
+    if attention == "eager":
+        notes.append("attention: eager (Hugging Face's attn_implementation): the attention matrix, its softmax and "
+                     "dropout kept for backward, as that code keeps them")

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .attention import FusedAttention
+from .attention import FusedAttention, set_attention
 from .finetune import Trained, TrainedWatch, apply_trainable
 from .autocast_policy import CudaAutocastPolicy
 from .building import (
@@ -257,6 +257,7 @@ def estimate(
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
+    attention: str | None = None,
     timeline: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
@@ -354,6 +355,7 @@ def estimate(
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
         zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy,
+        attention=attention,
     )
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
@@ -409,6 +411,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         with group as mesh, without_onednn(), outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             network = apply_trainable(network, trainable, notes)
+            set_attention(network, plan.attention, notes)
             if task == "generate":
                 check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
             unit, unit_name = block_rule(network, plan.block)  # before checkpointing wraps the blocks

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.allocator_settings import AllocatorSettings, resolve_alloc_conf
+from .attention import check_attention
 from .autocast_policy import AUTOCAST_POLICIES
 from .building import check_block
 from .selective import check_saves, saves_label
@@ -110,6 +111,9 @@ class Plan:
     optimizer_in_backward: bool = False
     #: FSDP2's mixed precision (fully_shard's mp_policy): "bf16"/"fp16" or a MixedPrecisionPolicy; None: fp32 shards.
     mp_policy: Any = None
+    #: A Hugging Face model's attention implementation (attn_implementation): "eager", "sdpa", "flash_attention_2"...
+    #: None: the model's own.
+    attention: str | None = None
     #: The settings alloc_conf resolves to.
     allocator: AllocatorSettings = field(init=False, repr=False, compare=False)
     #: The batch size each device runs (from batch_size, or global_batch_size / (world_size x accumulation)).
@@ -143,6 +147,7 @@ class Plan:
         self._check_zero_grad()
         self._check_in_backward()
         check_mp_policy(self.mp_policy, self.parallel)
+        check_attention(self.attention)
         if self.task != "train" and self.trainable is not None:
             raise ValueError(
                 f"trainable= chooses what a training step updates, and task={self.task!r} updates nothing: leave trainable out"
@@ -244,6 +249,8 @@ class Plan:
                 words.append("optimizer step in backward")
         if self.parallel != "single":
             words.append(f"{self.parallel} on {self.world_size} GPUs")
+        if self.attention is not None:
+            words.append(f"{self.attention} attention")
         if self.mp_policy is not None:
             words.append(f"FSDP mixed precision {self.mp_policy if isinstance(self.mp_policy, str) else 'policy given'}")
         if self.block is not None:

@@ -166,6 +166,7 @@ def max_batch_size(
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
+    attention: str | None = None,
     progress: bool = True,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
@@ -207,7 +208,8 @@ def max_batch_size(
     names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
     the built-in step zeroes gradients, ``optimizer_in_backward`` steps each
-    parameter inside backward, ``mp_policy`` is FSDP2's mixed precision.
+    parameter inside backward, ``mp_policy`` is FSDP2's mixed precision,
+    ``attention`` a Hugging Face model's attention implementation.
 
     ``progress`` (True or False) shows each estimate and real trial as it
     runs and what it gave (fits or OOM, and its peak), where it can be seen
@@ -251,7 +253,7 @@ def max_batch_size(
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
-                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy)
+                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, attention=attention)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 

@@ -64,6 +64,7 @@ def sweep(
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
+    attention: str | None = None,
     timeline: bool = False,
     progress: bool = True,
 ) -> Comparison:
@@ -110,8 +111,9 @@ def sweep(
     ``block`` names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad``
     where the built-in step zeroes gradients, ``optimizer_in_backward``
-    steps each parameter inside backward, and ``mp_policy`` is FSDP2's mixed
-    precision, for the FSDP configurations (see :func:`nbmem.estimate`).
+    steps each parameter inside backward, ``mp_policy`` is FSDP2's mixed
+    precision, for the FSDP configurations, and ``attention`` a Hugging Face
+    model's attention implementation (see :func:`nbmem.estimate`).
     ``timeline=True`` keeps each configuration's allocations (one process's:
     a launched data-parallel run keeps none): ``table.rows[i].result`` then
     plots them and writes them for PyTorch's memory viewer
@@ -164,7 +166,8 @@ def sweep(
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
     base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
-                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, **_enforced(mode, capacity))
+                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, attention=attention,
+                **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
