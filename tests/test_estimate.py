@@ -325,3 +325,26 @@ def test_the_optimizer_step_fused_into_backward_frees_each_gradient_as_it_goes()
     assert "optimizer step in backward" in fused.plan.describe()
     with pytest.raises(ValueError, match="with accumulation, it would step once per micro-batch"):
         run(optimizer_in_backward=True, accumulation=2)
+
+
+def test_reserved_with_the_cublas_workspaces_each_thread_adds(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    MiB = 1024**2
+    # one 1200 MiB weight: its own segment, full; a 2 MiB small segment for the rest. A workspace then needs a segment
+    # of its own: 8,519,680 B (PyTorch's ":4096:2:16:8") takes a 20 MiB one, Hopper's 32 MiB one of 32 MiB
+    build = lambda: nn.Linear(15360, 20480, bias=False)  # noqa: E731
+    make = lambda n: torch.randn(n, 15360)  # noqa: E731
+    default = estimate(build, make, batch_size=1, task="inference")
+    assert (default.workspaces.count, default.workspaces.each) == (1, 8_519_680)  # inference: one thread's
+    assert default.reserved_with_workspaces == default.reserved + 20 * MiB
+    hopper = estimate(build, make, batch_size=1, task="inference", device="H100-80GB")
+    assert hopper.reserved_with_workspaces == hopper.reserved + 32 * MiB
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # what PyTorch reads first: 4096 KiB x 8 = 32 MiB
+    assert estimate(build, make, batch_size=1, task="inference").workspaces.each == 32 * MiB
+    # training: forward's thread and autograd's backward thread, each its own handle and workspace
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    mlp = lambda: nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))  # noqa: E731
+    pairs = lambda n: (torch.randn(n, 1024), torch.randn(n, 1024))  # noqa: E731
+    trained = estimate(mlp, pairs, batch_size=256, device="H100-80GB")
+    assert trained.workspaces.count == 2 and trained.reserved_with_workspaces == trained.reserved + 2 * 32 * MiB
+    assert "  with workspaces  234 MiB reserved, with 2 cuBLAS workspaces of 32.0 MiB" in str(trained)

@@ -36,7 +36,7 @@ from typing import Literal
 
 from nbmem.core.units import format_bytes, parse_bytes
 
-__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity"]
+__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity", "COMPUTE_CAPABILITY"]
 
 _GIB = 2**30
 _MIB = 2**20
@@ -353,3 +353,12 @@ def _unreadable(value: object) -> str:
         f"can't read {value!r} as a capacity.{hint} Write a size such as '16GiB', '512 MiB', "
         f"'1.5GB' or 4096 (bytes), or a GPU preset: {_names()}"
     )
+
+
+#: Each preset's CUDA compute capability (NVIDIA's tables): what decides the defaults PyTorch picks per GPU, such as
+#: the cuBLAS workspace (32 MiB on 9.0, Hopper).
+COMPUTE_CAPABILITY = MappingProxyType({
+    "T4": (7, 5), "L4": (8, 9), "A10": (8, 6), "A10G": (8, 6), "V100-16GB": (7, 0), "V100-32GB": (7, 0),
+    "RTX-3060-12GB": (8, 6), "RTX-3090": (8, 6), "RTX-4090": (8, 9), "RTX-5090": (12, 0), "RTX-A6000": (8, 6),
+    "L40S": (8, 9), "A100-40GB": (8, 0), "A100-80GB": (8, 0), "H100-80GB": (9, 0), "H200": (9, 0),
+})

@@ -40,8 +40,9 @@ from .building import (
     without_onednn,
 )
 from .optimizers import in_backward, optimizer_factory, target_optimizer_kwargs
+from .workspaces import WithWorkspaces, Workspaces, workspaces_for
 from .parallel import fsdp_units, parallelize, process_group
-from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name
+from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..core.results import Breakdown
 from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
@@ -136,6 +137,9 @@ class Estimate:
     plan: Plan | None = field(default=None, repr=False, compare=False)
     #: With estimate(timeline=True): the whole run (model built, then each step), for .to_snapshot() and plotting.
     timeline: Any = field(default=None, repr=False, compare=False)
+    #: The simulated reserved peak with the cuBLAS workspaces the step's threads add (``workspaces``); None measured.
+    reserved_with_workspaces: int | None = None
+    workspaces: Workspaces | None = field(default=None, compare=False)
 
     def to_snapshot(self, path: str) -> None:
         """Write the estimated run as a PyTorch memory snapshot (pytorch.org/memory_viz, ``nbmem.load_snapshot``).
@@ -201,6 +205,9 @@ class Estimate:
                 f"  reserved peak    {format_bytes(self.reserved)} ({source}: cached blocks and "
                 "segment tails included; roughly what nvidia-smi shows, less the CUDA context)"
             )
+        if self.reserved_with_workspaces is not None and self.workspaces is not None:
+            lines.append(f"  with workspaces  {format_bytes(self.reserved_with_workspaces)} reserved, with "
+                         f"{self.workspaces.describe()}")
         if self.capacity is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             why = (
@@ -376,7 +383,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     autocast = precision in ("bf16", "fp16") and mode != "measured"
     policy = CudaAutocastPolicy() if autocast and plan.autocast_policy == "cuda" else None
     attention = FusedAttention() if mode != "measured" else None
-    run_on = _run_device(mode)
+    run_on = run_device(mode)
     capacity = label = None
     if plan.device is not None:
         from ..core.devices import parse_capacity
@@ -386,6 +393,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     notes: list[str] = []
     limit = capacity if plan.enforce_capacity else None
     simulation = None
+    workspaces = workspaces_for(label if plan.device is not None else None, task)
     if mode == "measured":
         scope = functools.partial(MemoryScope, backend="cuda", device=run_on, breakdown=True)
         before = (torch.cuda.memory_allocated(run_on), torch.cuda.memory_reserved(run_on))
@@ -394,7 +402,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
 
         tracker = Tracker("cpu")
         tracker.fake = fake_mode is not None
-        tracker.simulator = simulation = CachingAllocatorSimulation(capacity=capacity, strict=False, settings=plan.allocator)
+        simulation = CachingAllocatorSimulation(capacity=capacity, strict=False, settings=plan.allocator)
+        # and beside it, the same with the cuBLAS workspaces the step's threads would add (issue 24)
+        tracker.simulator = feed = WithWorkspaces(simulation)
         # a launched rank (gloo on the CPU): gloo's own flat copies, made in its worker threads, are not
         # counted; NCCL, which a GPU run uses, works on FSDP's buffers in place
         tracker.adopt_unseen = not (mode == "tracked" and parallel != "single")
@@ -403,7 +413,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         scope = functools.partial(MemoryScope, tracker=tracker)
         before = (0, 0)
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    rank = plan.rank if fake_mode is not None else _real_rank(parallel)  # the plan checked an estimate's rank
+    rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
@@ -426,7 +436,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             if precision.endswith("-weights") and simulation is not None:
                 # a real loader puts the weights on the GPU in their own dtype: the fp32 build and its cast,
                 # which only nbmem's copy of the model went through, never reach its allocator (issue 24)
-                tracker.simulator = simulation = simulation.relaid()
+                tracker.simulator = feed = feed.relaid()
+                simulation = feed.tensors
             make_optimizer = optimizer_factory(optimizer)
             if plan.optimizer_in_backward:
                 make_optimizer = in_backward(make_optimizer)
@@ -456,6 +467,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
                                              run_on, fake_mode is not None, autocast_region=region)
             peaks, reserved, breakdowns = [], [], []
+            if simulation is not None:  # the first matmuls of the first step make them
+                feed.add(workspaces)
             watch = TrainedWatch(network, whole.tracker, trainable) if trainable is not None else None
             for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
                 if rule is not None:
@@ -542,6 +555,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         breakdown=breakdowns[0] if first >= steady else breakdowns[1],
         reserved=max(reserved) if simulation is None else simulation.peak_reserved,  # None: measured
         reserve_failed=None if simulation is None else simulation.overflow,
+        reserved_with_workspaces=None if simulation is None else feed.whole.peak_reserved,
+        workspaces=workspaces,
         capacity=capacity,
         capacity_label=label or "",
         mode=mode,
@@ -560,29 +575,3 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         kv_cache_per_token=cache.per_token if task == "generate" else None,
         timeline=whole.result.timeline if timeline and whole.result is not None else None,
     )
-
-
-def _real_rank(parallel: str) -> int:
-    """This process's rank in a real run (0 on a single device)."""
-    if parallel == "single":
-        return 0
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _run_device(mode: str) -> torch.device:
-    """Where a step of this mode runs (fake tensors say cpu; they hold no memory anywhere)."""
-    if mode not in MODES:
-        raise ValueError(
-            f"unknown mode {mode!r}: use 'estimated' (fake tensors, nothing runs), 'tracked' (a real run on this "
-            "CPU, every tensor accounted) or 'measured' (a real run on a CUDA device)"
-        )
-    if mode != "measured":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            "mode 'measured' runs the step on a CUDA device and none is available here: use mode='tracked' "
-            "(a real run on this CPU, every tensor accounted) or 'estimated'"
-        )
-    return torch.device("cuda", torch.cuda.current_device())

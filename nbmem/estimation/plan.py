@@ -41,7 +41,7 @@ from .parallel import check_mp_policy, check_parallel, per_device_batch
 from .tasks import check_task
 from .userstep import check_step, step_name
 
-__all__ = ["Plan", "KNOBS", "MODES", "PRECISIONS", "OPTIMIZERS", "optimizer_name"]
+__all__ = ["Plan", "KNOBS", "MODES", "PRECISIONS", "OPTIMIZERS", "optimizer_name", "run_device", "real_rank"]
 
 #: How a step runs: on fake tensors; for real on the CPU, tracked; for real on CUDA, measured.
 MODES = ("estimated", "tracked", "measured")
@@ -283,3 +283,29 @@ def block_label(block: Any) -> str:
 def _check_accumulation(accumulation: Any) -> None:
     if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
         raise ValueError(f"accumulation must be a positive whole number of micro-batches, got {accumulation!r}")
+
+
+def real_rank(parallel: str) -> int:
+    """This process's rank in a real run (0 on a single device)."""
+    if parallel == "single":
+        return 0
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def run_device(mode: str) -> torch.device:
+    """Where a step of this mode runs (fake tensors say cpu; they hold no memory anywhere)."""
+    if mode not in MODES:
+        raise ValueError(
+            f"unknown mode {mode!r}: use 'estimated' (fake tensors, nothing runs), 'tracked' (a real run on this "
+            "CPU, every tensor accounted) or 'measured' (a real run on a CUDA device)"
+        )
+    if mode != "measured":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            "mode 'measured' runs the step on a CUDA device and none is available here: use mode='tracked' "
+            "(a real run on this CPU, every tensor accounted) or 'estimated'"
+        )
+    return torch.device("cuda", torch.cuda.current_device())

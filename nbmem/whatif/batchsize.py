@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ..estimation.estimate import Estimate, _run_device, estimate_plan
-from ..estimation.plan import Plan
+from ..estimation.estimate import Estimate, estimate_plan
+from ..estimation.plan import Plan, run_device
 from ..estimation.parallel import check_parallel
 from .progress import Progress, check_progress
 from ..core.units import format_bytes
@@ -239,7 +239,7 @@ def max_batch_size(
         verify = real_mode()
     if verify not in ("tracked", "measured"):
         raise ValueError(f"unknown verify mode {verify!r}: use 'auto', 'tracked' (this CPU) or 'measured' (CUDA)")
-    _run_device(verify)
+    run_device(verify)
     check_parallel(parallel, world_size)
     if world_size > MAX_LAUNCH_RANKS:
         raise ValueError(

@@ -16,13 +16,13 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .comparison import AXES, Comparison, SweepRow
-from ..estimation.estimate import Estimate, _run_device, estimate_plan
+from ..estimation.estimate import Estimate, estimate_plan
 from ..estimation.finetune import check_trainable, trainable_label
 from .launcher import RankError, launch_plan
 from ..estimation.parallel import check_parallel
 from .progress import Progress, check_progress
 from ..core.units import format_bytes
-from ..estimation.plan import Plan
+from ..estimation.plan import Plan, run_device
 
 __all__ = ["sweep", "Comparison", "SweepRow", "AXES", "used_knobs", "real_mode", "run_configuration", "MAX_LAUNCH_RANKS"]
 
@@ -134,7 +134,7 @@ def sweep(
     ['sgd', 'adamw', 'sgd', 'adamw']
     """
     check_progress(progress)
-    _run_device(mode)  # an unknown mode, or 'measured' without CUDA, fails before anything runs
+    run_device(mode)  # an unknown mode, or 'measured' without CUDA, fails before anything runs
     grid = {
         "batch_size": _values("batch_size", batch_size),
         "precision": _values("precision", precision),
