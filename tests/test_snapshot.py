@@ -414,3 +414,16 @@ def test_each_configuration_of_a_sweep_writes_its_own_snapshot(tmp_path):
         row.result.to_snapshot(str(tmp_path / f"config-{index}.pickle"))
         peaks.append(load_snapshot(tmp_path / f"config-{index}.pickle").peak_allocated)
     assert peaks == [row.peak for row in table.rows] and peaks[0] < peaks[1]
+
+
+def test_a_history_writes_one_snapshot_per_result_that_kept_its_allocations(tmp_path):
+    with_timeline, without = tracked_step(), None
+    with nbmem.track("cpu") as scope:
+        torch.ones(1024)
+    without = scope.result
+    history = nbmem.History([with_timeline, without])
+    written = history.to_snapshots(str(tmp_path / "cells"))
+    assert [Path(path).name for path in written] == ["result-0.pickle"]
+    assert load_snapshot(written[0]).result().peak_allocated == with_timeline.peak_allocated
+    with pytest.raises(ValueError, match="--timeline"):
+        nbmem.History([without]).to_snapshots(str(tmp_path / "none"))

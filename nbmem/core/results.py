@@ -496,6 +496,24 @@ class History:
             ) from error
         return pandas.DataFrame.from_records(self.to_records())
 
+    def to_snapshots(self, folder: str, alloc_conf: Any = None) -> list[str]:
+        """Each result that kept its allocations (a timeline) as a snapshot in ``folder``: ``exec-N.pickle`` for a
+        cell, ``result-I.pickle`` otherwise (one file each: each stands on its own start); the paths written."""
+        import os
+
+        written = []
+        os.makedirs(folder, exist_ok=True)
+        for index, result in enumerate(self._results):
+            if getattr(result.timeline, "events", None):
+                name = f"exec-{result.execution_count}" if result.execution_count is not None else f"result-{index}"
+                path = os.path.join(folder, f"{name}.pickle")
+                result.to_snapshot(path, alloc_conf)
+                written.append(path)
+        if not written:
+            raise ValueError("no result here kept its allocations: measure cells with %%gpumem --timeline (or "
+                             "--snapshot FILE), or profile a notebook with nbmem profile --snapshot DIR")
+        return written
+
     def plot(self) -> Any:
         """A matplotlib Figure: one bar per cell, its peak above the start."""
         from .charts import history_figure
