@@ -239,3 +239,38 @@ def test_the_environment_is_read_as_pytorch_reads_it():
     cuda_only = settings_from_environment({"PYTORCH_CUDA_ALLOC_CONF": " max_split_size_mb : 64 ,release_lock_on_cudamalloc:True"})
     assert (cuda_only.max_split_size, cuda_only.ignored()) == (64 * MiB, ("release_lock_on_cudamalloc",))
     assert cuda_only.describe() == "max_split_size_mb:64 (from PYTORCH_CUDA_ALLOC_CONF)"
+
+
+def test_a_steady_step_replayed_keeps_what_it_keeps_and_frees_what_it_frees():
+    from nbmem.core.allocator import StepRecording, settle
+
+    simulation = simulate()
+    simulation.malloc("weights", 40 * MiB)
+    simulation.malloc(("kept", 0), 12 * MiB)  # what the step before left alive (its loss, say)
+    recording = StepRecording(simulation)
+    # the recorded step: a key reused (storages' addresses are), the last step's kept tensor freed, a new one kept
+    recording.malloc("a", 30 * MiB)
+    recording.free("a")
+    recording.malloc("a", 6 * MiB)
+    recording.free(("kept", 0))
+    recording.malloc("kept", 12 * MiB)
+    recording.free("a")
+    allocated, reserved = simulation.allocated, simulation.reserved
+    replays = settle(simulation, recording.events)
+    # each replay frees the kept tensor the one before made and keeps its own: allocated never grows
+    assert simulation.allocated == allocated == (40 + 12) * MiB
+    assert replays == 1 and simulation.reserved == reserved  # the layout repeated at once
+
+
+def test_a_step_whose_kept_tensor_moves_settles_after_the_segments_stop_changing():
+    from nbmem.core.allocator import StepRecording, settle
+
+    simulation = simulate()
+    simulation.malloc(("kept", 0), 30 * MiB)  # the last step's kept 30 MiB: one segment
+    recording = StepRecording(simulation)
+    recording.malloc("kept", 30 * MiB)  # a new one while the old lives: a second segment
+    recording.free(("kept", 0))
+    assert simulation.reserved == 60 * MiB
+    replays = settle(simulation, recording.events)
+    # the next steps alternate between the two cached segments: 60 MiB, and no more
+    assert (replays, simulation.reserved, simulation.allocated) == (1, 60 * MiB, 30 * MiB)

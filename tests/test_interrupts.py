@@ -187,8 +187,14 @@ class _Interrupter:
 
 
 def run_traced(trace: Callable[..., Any], cell: Callable[[], None]) -> bool:
-    """Run ``cell`` with ``trace`` as the trace function; whether a KeyboardInterrupt ended it."""
-    previous = sys.gettrace()  # coverage's tracer, under `coverage run`: put back, not dropped
+    """Run ``cell`` with ``trace`` as the trace function; whether a KeyboardInterrupt ended it.
+
+    Grad mode is put back afterwards: an interrupt at a line of torch's own ``finally`` (the optimizer's
+    ``_use_grad`` restores grad mode on the line after a ``graph_break()`` call) leaves it off, which is
+    PyTorch's, not nbmem's; which line a seed hits moves with the number of line events, which moves with
+    what else the test process imported.
+    """
+    previous, grad = sys.gettrace(), torch.is_grad_enabled()  # coverage's tracer, under `coverage run`: put back
     sys.settrace(trace)
     try:
         cell()
@@ -196,6 +202,7 @@ def run_traced(trace: Callable[..., Any], cell: Callable[[], None]) -> bool:
         return True
     finally:
         sys.settrace(previous)
+        torch.set_grad_enabled(grad)
     return False
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from .allocator_settings import UNLIMITED, AllocatorSettings
 
-__all__ = ["CachingAllocatorSimulation", "segment_size", "round_request"]
+__all__ = ["CachingAllocatorSimulation", "segment_size", "round_request", "StepRecording", "settle"]
 
 MIN_BLOCK = 512
 SMALL_SIZE = 1 << 20
@@ -204,6 +204,11 @@ class CachingAllocatorSimulation:
         self._merge(block, block.previous)
         self._merge(block, block.next)
         self._cache(block)
+
+    def requested(self, key: object) -> int:
+        """Bytes the live allocation under ``key`` asked for (0 if there is none)."""
+        block = self._blocks.get(key)
+        return 0 if block is None else block.requested
 
     def relaid(self) -> CachingAllocatorSimulation:
         """A fresh simulation holding the same live allocations, made in the same order on an empty device.
@@ -473,3 +478,70 @@ def _expandable_size(block: _Block) -> int:
     """A cached block's size for best fit when expandable: with the unmapped space right after it."""
     following = block.next
     return block.size + (following.size if following is not None and not following.mapped else 0)
+
+
+class StepRecording:
+    """Passes allocations and frees on to ``inner`` and records them (with each freed block's bytes), to replay a
+    steady step (:func:`settle`)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.events: list[tuple[bool, object, int]] = []  # (malloc?, key, bytes asked for)
+
+    def malloc(self, key: object, nbytes: int) -> None:
+        self.events.append((True, key, nbytes))
+        self.inner.malloc(key, nbytes)
+
+    def free(self, key: object) -> None:
+        self.events.append((False, key, self.inner.requested(key)))
+        self.inner.free(key)
+
+
+def settle(simulation: CachingAllocatorSimulation, events: list[tuple[bool, object, int]], most: int = 20) -> int:
+    """Replay a recorded steady step until the allocator's segments stop changing; the replays it took.
+
+    A training step leaves the allocator's cache a little different each time
+    until its layout repeats; two steps may not reach that. Each replay makes
+    the step's allocations again under fresh keys (storages' addresses, which
+    the recorded step reuses, name nothing across steps). Where the step
+    freed something made before it (the last step's loss, say), a replay frees
+    what the replay before left alive of that size, in order: the step's own
+    leftovers, one step on; a free with no such match (something from before
+    the first step) is not repeated.
+    """
+    from collections import deque
+
+    def leftovers(made: dict[object, tuple[object, int]]) -> dict[int, deque[object]]:
+        by_size: dict[int, deque[object]] = {}
+        for alias, nbytes in made.values():
+            by_size.setdefault(nbytes, deque()).append(alias)
+        return by_size
+
+    made: dict[object, tuple[object, int]] = {}  # the recorded step's own allocations alive at its end
+    for was_malloc, key, nbytes in events:
+        if was_malloc:
+            made[key] = (key, nbytes)
+        else:
+            made.pop(key, None)
+    carried = leftovers(made)
+
+    def layout() -> tuple[int, tuple[tuple[int, bool], ...]]:
+        return simulation.reserved, tuple(sorted((segment.size, segment.small) for segment in simulation._segments))
+
+    before, fresh = layout(), itertools.count()
+    for replay in range(1, most + 1):
+        alive: dict[object, tuple[object, int]] = {}
+        for was_malloc, key, nbytes in events:
+            if was_malloc:
+                alive[key] = (("replay", next(fresh)), nbytes)
+                simulation.malloc(alive[key][0], nbytes)
+            elif key in alive:
+                simulation.free(alive.pop(key)[0])
+            elif carried.get(nbytes):
+                simulation.free(carried[nbytes].popleft())
+        carried = leftovers(alive)
+        after = layout()
+        if after == before:
+            return replay
+        before = after
+    return most

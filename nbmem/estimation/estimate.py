@@ -398,7 +398,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         scope = functools.partial(MemoryScope, backend="cuda", device=run_on, breakdown=True)
         before = (torch.cuda.memory_allocated(run_on), torch.cuda.memory_reserved(run_on))
     else:
-        from ..core.allocator import CachingAllocatorSimulation
+        from ..core.allocator import CachingAllocatorSimulation, StepRecording, settle
 
         tracker = Tracker("cpu")
         tracker.fake = fake_mode is not None
@@ -479,7 +479,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 # Entered here, after the model factory ran: a factory may be what first loads Dynamo.
                 target_rules.enter_context(eager_stance())
             compiled_calls = 0
-            for _ in range(2 if task == "train" else 1):  # an inference pass has no state that a second one would add
+            recording = None
+            for index in range(2 if task == "train" else 1):  # an inference pass has no state that a second one would add
+                if index == 1 and simulation is not None:  # the steady step, to replay in the allocator simulation
+                    tracker.simulator = recording = StepRecording(feed)
                 with scope() as one:
                     one_step()
                 result = one.result
@@ -492,6 +495,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                     # blocks cached before it would otherwise read 0 (seen on an H100, 2026-11-25)
                     reserved.append(result.peak_reserved - before[0])
                 breakdowns.append(result.breakdown)
+            if recording is not None:
+                tracker.simulator = feed
+                replays = max(settle(feed.tensors, recording.events), settle(feed.whole, recording.events))
+                notes.append(f"reserved: the steady step replayed {replays} more time{'s' if replays > 1 else ''} in the "
+                             "allocator simulation, until its segments stopped changing")
             parameters = sum(parameter.numel() for parameter in network.parameters())
             trained = watch.close(opt) if watch is not None else None
     except FAKE_ERRORS as error:

@@ -97,5 +97,8 @@ class WithWorkspaces:
         self.tensors.free(key)
         self.whole.free(key)
 
+    def requested(self, key: object) -> int:
+        return self.tensors.requested(key)
+
     def relaid(self) -> WithWorkspaces:
         return WithWorkspaces(self.tensors.relaid(), self.whole.relaid())
