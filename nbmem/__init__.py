@@ -50,6 +50,8 @@ __all__ = [
     "Snapshot",
     "estimate_trainer",
     "MemoryCallback",
+    "estimate_lightning",
+    "LightningMemoryCallback",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
@@ -86,6 +88,8 @@ _LAZY = {
     "Snapshot": "core.snapshot",
     "estimate_trainer": "whatif.training_arguments",
     "MemoryCallback": "frontend.trainer_callback",
+    "estimate_lightning": "whatif.lightning_trainer",
+    "LightningMemoryCallback": "frontend.lightning_callback",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,6 +115,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .core.snapshot import Snapshot, load_snapshot
     from .whatif.training_arguments import estimate_trainer
     from .frontend.trainer_callback import MemoryCallback
+    from .whatif.lightning_trainer import estimate_lightning
+    from .frontend.lightning_callback import LightningMemoryCallback
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,14 @@ import nbmem
 from nbmem.frontend import magics
 
 
-PUBLIC = {name: getattr(nbmem, name) for name in nbmem.__all__}
+def _public(name: str) -> Any:
+    try:
+        return getattr(nbmem, name)
+    except ImportError:  # an integration whose optional library is not installed (nbmem[zoo], nbmem[lightning])
+        return None
+
+
+PUBLIC = {name: value for name in nbmem.__all__ if (value := _public(name)) is not None}
 DOCUMENTED = sorted(name for name, value in PUBLIC.items() if inspect.isfunction(value) or inspect.isclass(value))
 # A plain code block: "Example::", "Examples, in a notebook::", "Example (not run ...)::".
 _EXAMPLE_BLOCK = re.compile(r"\bExamples?\b[^\n]*(?:\n[^\n]+)*?::\n")

@@ -130,5 +130,5 @@ def test_in_a_notebook_the_cells_end_closes_an_interrupted_step(shell, tmp_path)
     result = shell.run_cell("trainer.train()")
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     assert not default_tracker("cpu").active  # closed when the cell ended
-    assert callback._cell_ended not in shell.events.callbacks["post_run_cell"]  # and nothing of it left behind
+    assert callback.meter._cell_ended not in shell.events.callbacks["post_run_cell"]  # and nothing of it left behind
     shell.run_cell("del trainer")

@@ -30,9 +30,9 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("nbmem.MemoryCallback is a transformers TrainerCallback: pip install transformers "
                       "(or nbmem[zoo])") from error
 
-from ..core.results import History, MemoryResult
-from ..core.units import format_bytes
-from ..tracking.scope import Backend, MemoryScope
+from ..core.results import History
+from ..tracking.scope import Backend
+from .step_meter import StepMeter
 
 __all__ = ["MemoryCallback"]
 
@@ -52,75 +52,27 @@ class MemoryCallback(TrainerCallback):
     """
 
     def __init__(self, backend: Backend = "auto", device: Any = None, quiet: bool = False) -> None:
-        self.backend, self.device, self.quiet = backend, device, quiet
-        self.history = History()
-        self._scope: MemoryScope | None = None
-        self._shell: Any = None
+        self.quiet = quiet
+        self.meter = StepMeter(backend, device)
+
+    @property
+    def history(self) -> History:
+        return self.meter.history
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()  # a step that never ended (it can't, unless something stopped training mid-step)
-        scope = MemoryScope(self.backend, self.device, label=f"training step {state.global_step + 1}")
-        self._watch_cell()
-        self._scope = scope.start()
+        self.meter.begin(f"training step {state.global_step + 1}")
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        scope, self._scope = self._scope, None
-        if scope is None or not scope.running:
-            return
-        result = scope.stop()
-        self.history.append(result)
-        _record_in_session(result)
+        self.meter.end()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.close()
+        self.meter.close()
         if not self.quiet and len(self.history):
             print(self.summary())
 
     def summary(self) -> str:
-        """One line: how many steps, how measured, and the step that rose highest above its start."""
-        results = list(self.history)
-        if not results:
-            return "gpumem: no training step recorded"
-        highest = max(results, key=lambda result: result.peak)
-        return (f"gpumem: {len(results)} training steps {highest.mode} on {highest.device}; the highest, {highest.label}, "
-                f"peaked {format_bytes(highest.peak)} above its start ({format_bytes(highest.peak_allocated)} in use); "
-                "callback.history has each")
+        return self.meter.summary()
 
     def close(self) -> None:
-        """Stop a step's scope that is still open (training stopped mid-step) and stop watching cells."""
-        scope, self._scope = self._scope, None
-        if scope is not None and scope.running:
-            scope.stop()
-        if self._shell is not None:
-            try:
-                self._shell.events.unregister("post_run_cell", self._cell_ended)
-            except ValueError:
-                pass
-            self._shell = None
-
-    # -- IPython: the cell's end closes what an interrupted training left open ----------------------
-
-    def _watch_cell(self) -> None:
-        if self._shell is not None:
-            return
-        try:
-            from IPython import get_ipython
-        except ImportError:  # pragma: no cover - IPython is a dependency
-            return
-        shell = get_ipython()
-        if shell is not None:
-            shell.events.register("post_run_cell", self._cell_ended)
-            self._shell = shell
-
-    def _cell_ended(self, result: Any = None) -> None:
-        self.close()
-
-
-def _record_in_session(result: MemoryResult) -> None:
-    """Add the step to ``nbmem.history()`` where a notebook loaded the extension; nowhere else."""
-    try:
-        from .magics import _session
-
-        _session().record(result)
-    except (RuntimeError, ImportError):
-        pass
+        """Stop a step's scope left open (training stopped mid-step), and stop watching cells."""
+        self.meter.close()

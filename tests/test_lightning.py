@@ -1,0 +1,90 @@
+"""Lightning (issue 24): estimates read from its Trainer and the module's own training_step, and a callback.
+
+A tiny LightningModule trained for real on the CPU for a few steps. lightning
+is an optional dependency (nbmem[lightning]).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import nbmem
+from _zoo import need
+
+need("lightning", env="NBMEM_REQUIRE_LIGHTNING")
+
+import lightning as L  # noqa: E402
+
+
+class Classifier(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return nn.functional.cross_entropy(self.net(inputs), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def batch(n):
+    return torch.randn(n, 256), torch.randint(0, 10, (n,))
+
+
+def trainer(**options):
+    options = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False,
+               "enable_progress_bar": False, "enable_model_summary": False, **options}
+    return L.Trainer(**options)
+
+
+def test_the_trainer_and_the_modules_own_step_are_estimated():
+    plain = nbmem.estimate_lightning(trainer(), Classifier, batch, batch_size=64)
+    # the same step written by hand, in Lightning's order: the loss, zero_grad, backward, the optimizer's step
+    def by_hand(model, data, optimizer):
+        loss = nn.functional.cross_entropy(model.net(data[0]), data[1])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        del loss
+        optimizer.step()
+
+    same = nbmem.estimate(Classifier, batch, batch_size=64, optimizer=lambda parameters: torch.optim.AdamW(parameters),
+                          step=by_hand)
+    assert (plain.first_step, plain.steady) == (same.first_step, same.steady)
+    assert plain.breakdown.category("optimizer state") == same.breakdown.category("optimizer state") > 0
+    mixed = nbmem.estimate_lightning(trainer(precision="bf16-mixed", accumulate_grad_batches=2), Classifier, batch,
+                                     batch_size=64)
+    assert mixed.precision == "bf16"
+    assert any(note.startswith("from the Lightning trainer: accumulate_grad_batches=2") for note in mixed.notes)
+    tracked = nbmem.estimate_lightning(trainer(), Classifier, batch, batch_size=64, mode="tracked")
+    assert (tracked.first_step, tracked.steady) == (plain.first_step, plain.steady)
+
+
+def test_settings_nbmem_does_not_estimate_are_named():
+    with pytest.raises(ValueError, match=r"precision='64-true'"):
+        nbmem.estimate_lightning(trainer(precision="64-true"), Classifier, batch, batch_size=8)
+
+
+def test_the_callback_records_each_batch_and_closes_on_an_exception():
+    from nbmem.tracking.tracker import default_tracker
+
+    callback = nbmem.LightningMemoryCallback(backend="tracked", device="cpu", quiet=True)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*batch(64)), batch_size=16)
+    trainer(max_steps=3, callbacks=[callback]).fit(Classifier(), loader)
+    steps = list(callback.history)
+    assert [result.label for result in steps] == ["training batch 1", "training batch 2", "training batch 3"]
+    assert all(result.mode == "tracked" for result in steps)
+    parameters = (256 * 1024 + 1024 + 1024 * 10 + 10)
+    assert steps[0].retained >= 2 * parameters * 4  # AdamW's two moments appear in the first step and stay
+
+    class Broken(Classifier):
+        def training_step(self, data, batch_idx):
+            raise RuntimeError("stand-in")
+
+    closed = nbmem.LightningMemoryCallback(backend="tracked", device="cpu", quiet=True)
+    with pytest.raises(RuntimeError, match="stand-in"):
+        trainer(max_steps=2, callbacks=[closed]).fit(Broken(), loader)
+    assert not default_tracker("cpu").active and len(closed.history) == 0  # on_exception closed the open step
