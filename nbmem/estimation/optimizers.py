@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -66,10 +68,13 @@ class OptimizerInBackward:
     def __init__(self, parameters: Any, factory: Callable[..., Any], **options: Any) -> None:
         self.optimizers: dict[torch.Tensor, Any] = {}
         self._handles = []
+        # the hooks hold this object weakly: parameter -> hook -> self -> parameter would be a cycle, which keeps
+        # the model alive until the garbage collector runs (nbmem never runs it: that would change what it measures)
+        hook = functools.partial(_step_in_backward, weakref.ref(self))
         for parameter in parameters:
             if parameter.requires_grad and parameter not in self.optimizers:
                 self.optimizers[parameter] = factory([parameter], **options)
-                self._handles.append(parameter.register_post_accumulate_grad_hook(self._step))
+                self._handles.append(parameter.register_post_accumulate_grad_hook(hook))
 
     def _step(self, parameter: torch.Tensor) -> None:
         optimizer = self.optimizers[parameter]
@@ -92,6 +97,12 @@ class OptimizerInBackward:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def _step_in_backward(owner: weakref.ref[OptimizerInBackward], parameter: torch.Tensor) -> None:
+    stepping = owner()
+    if stepping is not None:
+        stepping._step(parameter)
 
 
 def in_backward(factory: Callable[..., Any]) -> Callable[..., OptimizerInBackward]:
