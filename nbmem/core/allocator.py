@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .allocator_settings import UNLIMITED, AllocatorSettings
+from .units import round_allocation
 
 __all__ = ["CachingAllocatorSimulation", "segment_size", "round_request", "StepRecording", "settle"]
 
@@ -71,11 +72,7 @@ def round_request(nbytes: int, settings: AllocatorSettings | None = None) -> int
     >>> round_request(1200 << 20, parse_alloc_conf("roundup_power2_divisions:4")) >> 20   # 1024, 1280, 1536, 1792 MiB
     1280
     """
-    if nbytes <= 0:
-        return 0
-    if nbytes < MIN_BLOCK:
-        return MIN_BLOCK
-    divisions = settings.divisions(nbytes) if settings is not None else 0
+    divisions = settings.divisions(nbytes) if settings is not None and nbytes > 0 else 0
     if divisions > 1 and nbytes > MIN_BLOCK * divisions:
         if nbytes & (nbytes - 1) == 0:
             return nbytes
@@ -85,7 +82,7 @@ def round_request(nbytes: int, settings: AllocatorSettings | None = None) -> int
             return floor << 1
         rounded = nbytes & ~(step - 1)
         return nbytes if rounded == nbytes else rounded + step
-    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+    return round_allocation(nbytes)  # 512-B steps, 0 for nothing
 
 
 @dataclass(eq=False)

@@ -137,8 +137,12 @@ class AllocatorSettings:
 
     def simulation_notes(self) -> list[str]:
         """What a reserved figure simulated under these settings assumed, for a result's notes."""
-        notes = [f"reserved is simulated by PyTorch's caching-allocator rules: one stream, {self.describe()}, "
-                 "no cudaMalloc rounding by the driver"]
+        return [f"reserved is simulated by PyTorch's caching-allocator rules: one stream, {self.describe()}, "
+                "no cudaMalloc rounding by the driver", *self.caveats()]
+
+    def caveats(self) -> list[str]:
+        """The settings given that the simulation leaves out, each said with why."""
+        notes = []
         if self.garbage_collection_threshold:
             notes.append("garbage_collection_threshold acts only under torch.cuda.set_per_process_memory_fraction, "
                          "which nbmem does not simulate: not applied")

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from .allocator import CachingAllocatorSimulation
-from .allocator_settings import AllocatorSettings, parse_alloc_conf, resolve_alloc_conf, settings_from_snapshot
+from .allocator_settings import AllocatorSettings, resolve_alloc_conf, settings_from_snapshot
 from .results import MemoryResult
 from .units import format_bytes, round_allocation
 
@@ -428,11 +428,7 @@ class Snapshot:
         notes = []
         if self.allocated_at_start:
             notes.append(f"{format_bytes(self.allocated_at_start)} was allocated before recording began: not replayed")
-        if settings.backend != "native":
-            notes.append(f"backend:{settings.backend} is not simulated: the native caching allocator's rules were used")
-        if settings.garbage_collection_threshold:
-            notes.append("garbage_collection_threshold acts only under torch.cuda.set_per_process_memory_fraction, "
-                         "which a snapshot does not record: not applied")
+        notes += settings.caveats()
         simulation = CachingAllocatorSimulation(settings=settings)
         for entry in self._trace:
             action = entry.get("action")
@@ -460,8 +456,7 @@ class Snapshot:
         if not alloc_confs:
             raise ValueError('try_settings needs at least one PYTORCH_ALLOC_CONF string, e.g. '
                              'snapshot.try_settings("", "expandable_segments:True")')
-        replays = [self.replay(parse_alloc_conf(text, source="try_settings") if text else AllocatorSettings())
-                   for text in alloc_confs]
+        replays = [self.replay(text) for text in alloc_confs]
         recorded_as = "measured" if self.source is None else \
             f"{self.source.get('mode', 'tracked')} on {self.source.get('device', 'cpu')}, placed by nbmem's simulation"
         return SettingsTable(self.name, self.peak_allocated, self.peak_reserved, str(settings_from_snapshot(self.settings)),

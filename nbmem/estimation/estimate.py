@@ -392,7 +392,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     fake_mode = new_fake_mode() if mode == "estimated" else None
     notes: list[str] = []
     limit = capacity if plan.enforce_capacity else None
-    simulation = None
+    feed: WithWorkspaces | None = None  # the allocator simulations, tensors' and with workspaces (not measured)
     workspaces = workspaces_for(label if plan.device is not None else None, task)
     if mode == "measured":
         scope = functools.partial(MemoryScope, backend="cuda", device=run_on, breakdown=True)
@@ -402,9 +402,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
 
         tracker = Tracker("cpu")
         tracker.fake = fake_mode is not None
-        simulation = CachingAllocatorSimulation(capacity=capacity, strict=False, settings=plan.allocator)
-        # and beside it, the same with the cuBLAS workspaces the step's threads would add (issue 24)
-        tracker.simulator = feed = WithWorkspaces(simulation)
+        # the tensors' simulation, and beside it the same with the cuBLAS workspaces the step's threads add (issue 24)
+        tracker.simulator = feed = WithWorkspaces(
+            CachingAllocatorSimulation(capacity=capacity, strict=False, settings=plan.allocator))
         # a launched rank (gloo on the CPU): gloo's own flat copies, made in its worker threads, are not
         # counted; NCCL, which a GPU run uses, works on FSDP's buffers in place
         tracker.adopt_unseen = not (mode == "tracked" and parallel != "single")
@@ -433,11 +433,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                              "at once); name the block with block=")
             chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes, block=plan.block,
                                                        saves=plan.checkpoint_saves)
-            if precision.endswith("-weights") and simulation is not None:
+            if precision.endswith("-weights") and feed is not None:
                 # a real loader puts the weights on the GPU in their own dtype: the fp32 build and its cast,
                 # which only nbmem's copy of the model went through, never reach its allocator (issue 24)
                 tracker.simulator = feed = feed.relaid()
-                simulation = feed.tensors
             make_optimizer = optimizer_factory(optimizer)
             if plan.optimizer_in_backward:
                 make_optimizer = in_backward(make_optimizer)
@@ -467,7 +466,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
                                              run_on, fake_mode is not None, autocast_region=region)
             peaks, reserved, breakdowns = [], [], []
-            if simulation is not None:  # the first matmuls of the first step make them
+            if feed is not None:  # the first matmuls of the first step make them
                 feed.add(workspaces)
             watch = TrainedWatch(network, whole.tracker, trainable) if trainable is not None else None
             for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
@@ -481,7 +480,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             compiled_calls = 0
             recording = None
             for index in range(2 if task == "train" else 1):  # an inference pass has no state that a second one would add
-                if index == 1 and simulation is not None:  # the steady step, to replay in the allocator simulation
+                if index == 1 and feed is not None:  # the steady step, to replay in the allocator simulation
                     tracker.simulator = recording = StepRecording(feed)
                 with scope() as one:
                     one_step()
@@ -495,7 +494,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                     # blocks cached before it would otherwise read 0 (seen on an H100, 2026-11-25)
                     reserved.append(result.peak_reserved - before[0])
                 breakdowns.append(result.breakdown)
-            if recording is not None:
+            if recording is not None and feed is not None:
                 tracker.simulator = feed
                 replays = max(settle(feed.tensors, recording.events), settle(feed.whole, recording.events))
                 notes.append(f"reserved: the steady step replayed {replays} more time{'s' if replays > 1 else ''} in the "
@@ -561,9 +560,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         first_step=first,
         steady=steady,
         breakdown=breakdowns[0] if first >= steady else breakdowns[1],
-        reserved=max(reserved) if simulation is None else simulation.peak_reserved,  # None: measured
-        reserve_failed=None if simulation is None else simulation.overflow,
-        reserved_with_workspaces=None if simulation is None else feed.whole.peak_reserved,
+        reserved=max(reserved) if feed is None else feed.tensors.peak_reserved,  # None: measured
+        reserve_failed=None if feed is None else feed.tensors.overflow,
+        reserved_with_workspaces=None if feed is None else feed.whole.peak_reserved,
         workspaces=workspaces,
         capacity=capacity,
         capacity_label=label or "",

@@ -36,6 +36,7 @@ from .attention import check_attention
 from .autocast_policy import AUTOCAST_POLICIES
 from .building import check_block
 from .selective import check_saves, saves_label
+from .step import ZERO_GRAD
 from .finetune import check_trainable, trainable_label
 from .parallel import check_mp_policy, check_parallel, per_device_batch
 from .tasks import check_task
@@ -176,8 +177,6 @@ class Plan:
             )
 
     def _check_zero_grad(self) -> None:
-        from .step import ZERO_GRAD
-
         if self.zero_grad not in ZERO_GRAD:
             raise ValueError(f"unknown zero_grad {self.zero_grad!r}: use one of {', '.join(ZERO_GRAD)} (where your loop "
                              "calls optimizer.zero_grad, and with which set_to_none)")

@@ -18,13 +18,12 @@ Example (with lightning installed)::
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from ..estimation.estimate import Estimate, estimate
-from .training_arguments import TrainingKnobs
+from .training_arguments import TrainingKnobs, refuse_unestimated, with_reading
 
 __all__ = ["estimate_lightning", "knobs_from_lightning", "lightning_step"]
 
@@ -122,15 +121,12 @@ def estimate_lightning(trainer: Any, module: Any, batch: Callable[[int], Any], *
         print(nbmem.estimate_lightning(trainer, MyModule, make_batch, batch_size=8, device="A10G"))
     """
     read = knobs_from_lightning(trainer, world_size)
-    if read.not_understood and strict:
-        raise ValueError("these Lightning settings change memory and nbmem does not estimate them: "
-                         + "; ".join(read.not_understood) + ". Pass strict=False to estimate without them")
+    if strict:
+        refuse_unestimated("Lightning", read.not_understood, "Pass strict=False to estimate without them")
     settings = dict(read.knobs)
     accumulation = settings.pop("accumulation")
     step = lightning_step(batch, batch_size, accumulation)
     result = estimate(module, batch, batch_size=batch_size, optimizer=None, step=step, **{**settings, **knobs})
-    notes = [f"from the Lightning trainer: {text}" for text in read.read]
-    notes += [f"not estimated: {text}" for text in read.not_understood]
-    notes.append("the step: the module's training_step per micro-batch, zero_grad() before the first backward(), then "
-                 "its optimizer's step(), as Lightning's automatic optimization runs them")
-    return dataclasses.replace(result, notes=(*notes, *result.notes))
+    return with_reading(result, "the Lightning trainer", read.read, read.not_understood,
+                        "the step: the module's training_step per micro-batch, zero_grad() before the first backward(), "
+                        "then its optimizer's step(), as Lightning's automatic optimization runs them")

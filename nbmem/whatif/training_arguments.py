@@ -203,14 +203,24 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
     settings = {**read.knobs, **knobs}
     # a knob given explicitly answers for the setting it replaces
     unresolved = [text for text in read.not_understood if not _overridden(text, knobs)]
-    if unresolved and strict:
-        raise ValueError("these training settings change memory and nbmem does not estimate them: "
-                         + "; ".join(unresolved) + ". Pass the knob that stands for each (optimizer=..., "
-                         "world_size=...), or strict=False to estimate without them")
-    result = estimate(model, batch, **settings)
-    notes = [f"from the training arguments: {text}" for text in read.read]
-    notes += [f"not estimated: {text}" for text in unresolved]
-    return dataclasses.replace(result, notes=(*notes, *result.notes))
+    if strict:
+        refuse_unestimated("training", unresolved, "Pass the knob that stands for each (optimizer=..., world_size=...), "
+                           "or strict=False to estimate without them")
+    return with_reading(estimate(model, batch, **settings), "the training arguments", read.read, unresolved)
+
+
+def refuse_unestimated(what: str, settings: list[str] | tuple[str, ...], fix: str) -> None:
+    """The error for settings that change memory and that nbmem does not estimate (none: nothing to say)."""
+    if settings:
+        raise ValueError(f"these {what} settings change memory and nbmem does not estimate them: "
+                         + "; ".join(settings) + f". {fix}")
+
+
+def with_reading(result: Estimate, source: str, read: tuple[str, ...], unestimated: list[str] | tuple[str, ...],
+                 *more: str) -> Estimate:
+    """``result`` with notes first on what each setting of ``source`` became and what was not estimated."""
+    notes = [f"from {source}: {text}" for text in read] + [f"not estimated: {text}" for text in unestimated]
+    return dataclasses.replace(result, notes=(*notes, *more, *result.notes))
 
 
 def _overridden(text: str, knobs: dict[str, Any]) -> bool:
