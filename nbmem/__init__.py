@@ -52,6 +52,7 @@ __all__ = [
     "MemoryCallback",
     "estimate_lightning",
     "LightningMemoryCallback",
+    "Quantization",
     "load_ipython_extension",
     "unload_ipython_extension",
 ]
@@ -90,6 +91,7 @@ _LAZY = {
     "MemoryCallback": "frontend.trainer_callback",
     "estimate_lightning": "whatif.lightning_trainer",
     "LightningMemoryCallback": "frontend.lightning_callback",
+    "Quantization": "estimation.quantization",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -117,6 +119,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .frontend.trainer_callback import MemoryCallback
     from .whatif.lightning_trainer import estimate_lightning
     from .frontend.lightning_callback import LightningMemoryCallback
+    from .estimation.quantization import Quantization
 
 
 def __getattr__(name: str) -> Any:

@@ -54,18 +54,18 @@ def test_the_arguments_become_the_estimates_knobs(tmp_path):
 
 
 def test_settings_nbmem_does_not_estimate_are_named_never_ignored(tmp_path):
-    args = arguments(tmp_path, optim="adamw_bnb_8bit", fsdp=True,
+    args = arguments(tmp_path, optim="galore_adamw", fsdp=True,
                      fsdp_config={"transformer_layer_cls_to_wrap": ["GPT2Block"]})
     read = knobs_from_training_arguments(args)
     assert read.knobs["parallel"] == "fsdp" and read.knobs["block"] == "GPT2Block"
-    assert any(text.startswith("optim='adamw_bnb_8bit'") for text in read.not_understood)
-    with pytest.raises(ValueError, match=r"optim='adamw_bnb_8bit'.*world_size="):
+    assert any(text.startswith("optim='galore_adamw'") for text in read.not_understood)
+    with pytest.raises(ValueError, match=r"optim='galore_adamw'.*world_size="):
         nbmem.estimate_trainer(args, model=build, batch=tokens)
     # the knobs that stand for them, given: estimated, FSDP's units the named block
     result = nbmem.estimate_trainer(args, model=build, batch=tokens, optimizer="adamw", world_size=2)
     assert any(note.startswith("FSDP units: each GPT2Block (2)") for note in result.notes)
     lenient = nbmem.estimate_trainer(args, model=build, batch=tokens, world_size=2, strict=False)
-    assert any(note.startswith("not estimated: optim='adamw_bnb_8bit'") for note in lenient.notes)
+    assert any(note.startswith("not estimated: optim='galore_adamw'") for note in lenient.notes)
     # ZeRO-2-like sharding (transformers 4's shard_grad_op, 5's reshard_after_forward=False) and offload
     args = arguments(tmp_path, fsdp=True, fsdp_config={"reshard_after_forward": False, "cpu_offload": True})
     read = knobs_from_training_arguments(args, world_size=4)

@@ -107,6 +107,13 @@ def _copied(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Module
         make = fake_mode.from_tensor
     for parameter in model.parameters():
         memo[id(parameter)] = nn.Parameter(make(parameter), requires_grad=parameter.requires_grad)
+        if fake_mode is not None and type(parameter).__module__.startswith("bitsandbytes."):
+            # a model bitsandbytes quantized: the fake weight carries its state, made fake too (shared with its
+            # layer's own quant_state through the memo)
+            from .quantization import fake_quant_attributes
+
+            for name, value in fake_quant_attributes(parameter, make, memo).items():
+                setattr(memo[id(parameter)], name, value)
     for buffer in model.buffers():
         memo[id(buffer)] = make(buffer)
     copied: nn.Module = copy.deepcopy(model, memo)

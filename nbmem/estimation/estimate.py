@@ -39,9 +39,11 @@ from .building import (
     repeated_blocks,
     without_onednn,
 )
+from .low_bit import prepare_low_bit
 from .optimizers import in_backward, optimizer_factory, target_optimizer_kwargs
 from .workspaces import WithWorkspaces, Workspaces, workspaces_for
 from .parallel import fsdp_units, parallelize, process_group
+from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..core.results import Breakdown
 from ..tracking.compiled import eager_stance
@@ -140,6 +142,8 @@ class Estimate:
     #: The simulated reserved peak with the cuBLAS workspaces the step's threads add (``workspaces``); None measured.
     reserved_with_workspaces: int | None = None
     workspaces: Workspaces | None = field(default=None, compare=False)
+    #: A paged optimizer's state in CUDA managed memory, outside the allocator (nbmem.estimation.low_bit); None: none.
+    managed: int | None = None
 
     def to_snapshot(self, path: str) -> None:
         """Write the estimated run as a PyTorch memory snapshot (pytorch.org/memory_viz, ``nbmem.load_snapshot``).
@@ -176,7 +180,7 @@ class Estimate:
         segment the simulated allocator reserved (after releasing its cache). Overheads not included."""
         if self.capacity is None:
             return None
-        return self.peak <= self.capacity and self.reserve_failed is None
+        return self.peak + (self.managed or 0) <= self.capacity and self.reserve_failed is None
 
     def __str__(self) -> str:
         accumulate = f" x {self.accumulation} micro-batches = {self.effective_batch}" if self.accumulation > 1 else ""
@@ -208,6 +212,9 @@ class Estimate:
         if self.reserved_with_workspaces is not None and self.workspaces is not None:
             lines.append(f"  with workspaces  {format_bytes(self.reserved_with_workspaces)} reserved, with "
                          f"{self.workspaces.describe()}")
+        if self.managed is not None:
+            lines.append(f"  managed memory   {format_bytes(self.managed)} (paged optimizer state in CUDA managed memory, "
+                         "outside PyTorch's allocator and the figures above; counted against the device)")
         if self.capacity is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             why = (
@@ -218,8 +225,8 @@ class Estimate:
             )
             lines.append(
                 f"  on {self.capacity_label or format_bytes(self.capacity)}  {verdict}: {format_bytes(self.peak)} of "
-                f"{format_bytes(self.capacity)} ({self.peak / self.capacity:.0%}) allocated{why}; before the fixed "
-                "overheads below"
+                f"{format_bytes(self.capacity)} ({self.peak / self.capacity:.0%}) allocated"
+                f"{f' + {format_bytes(self.managed)} managed' if self.managed else ''}{why}; before the fixed overheads below"
             )
         lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
         lines += [f"  {name:<15}  {text}" for name, text in (self.trained.rows(self.mode) if self.trained else [])]
@@ -265,6 +272,7 @@ def estimate(
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
     attention: str | None = None,
+    quantization: Any = None,
     timeline: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
@@ -362,7 +370,7 @@ def estimate(
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
         zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy,
-        attention=attention,
+        attention=attention, quantization=quantization,
     )
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
@@ -420,6 +428,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         # versions don't model: estimate and tracked run both use the generic ones.
         with group as mesh, without_onednn(), outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
+            if plan.quantized is not None:
+                target_rules.enter_context(code_maps(fake_mode, run_on))
+                network = prepare_quantized(network, plan.quantized, plan.trains and trainable is not None, notes)
+            assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
+            classify_quantization_state(network, whole.tracker.classify)  # also a model quantized before nbmem got it
             network = apply_trainable(network, trainable, notes)
             set_attention(network, plan.attention, notes)
             if task == "generate":
@@ -433,9 +446,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                              "at once); name the block with block=")
             chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes, block=plan.block,
                                                        saves=plan.checkpoint_saves)
-            if precision.endswith("-weights") and feed is not None:
-                # a real loader puts the weights on the GPU in their own dtype: the fp32 build and its cast,
-                # which only nbmem's copy of the model went through, never reach its allocator (issue 24)
+            if (precision.endswith("-weights") or plan.quantized is not None) and feed is not None:
+                # a real loader puts the weights on the GPU in their own dtype (or quantized): the fp32 build and
+                # its cast, which only nbmem's copy of the model went through, never reach its allocator (issue 24)
                 tracker.simulator = feed = feed.relaid()
             make_optimizer = optimizer_factory(optimizer)
             if plan.optimizer_in_backward:
@@ -443,11 +456,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 notes.append("optimizer: stepped inside backward, one optimizer per parameter in its "
                              "post-accumulate-grad hook, each gradient freed there (PyTorch's fused-backward recipe)")
             optimizer_kwargs = target_optimizer_kwargs(optimizer, plan.foreach, mode, notes)
-            assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=unit, make_optimizer=make_optimizer,
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify, mp_policy=plan.mp_policy,
             )
+            managed = prepare_low_bit(opt, network, fake_mode, whole.tracker, notes)
             region = policy.region if policy is not None else torch.autocast
             cache = CacheRecord()
             if task == "inference":
@@ -499,7 +512,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 replays = max(settle(feed.tensors, recording.events), settle(feed.whole, recording.events))
                 notes.append(f"reserved: the steady step replayed {replays} more time{'s' if replays > 1 else ''} in the "
                              "allocator simulation, until its segments stopped changing")
-            parameters = sum(parameter.numel() for parameter in network.parameters())
+            parameters = parameter_count(network)
             trained = watch.close(opt) if watch is not None else None
     except FAKE_ERRORS as error:
         if step is not None:
@@ -580,5 +593,6 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         plan=plan,
         kv_cache=cache.bytes if task == "generate" else None,
         kv_cache_per_token=cache.per_token if task == "generate" else None,
+        managed=managed.bytes if managed is not None else None,
         timeline=whole.result.timeline if timeline and whole.result is not None else None,
     )

@@ -363,7 +363,9 @@ class TrainedWatch:
                         local = getattr(value, "_local_tensor", value)
                         storages[local.untyped_storage()._cdata] = self._size(value)
             state = sum(storages.values())
-        total = sum(parameter.numel() for parameter in self.model.parameters())
+        from .quantization import parameter_count
+
+        total = parameter_count(self.model)
         return Trained(
             choice=trainable_label(self.trainable),
             what=_what(self.trainable),

@@ -8,16 +8,70 @@ from typing import Any, Callable
 
 import torch
 
-from .plan import OPTIMIZERS
+from .low_bit import LOW_BIT, low_bit_factory
 
-__all__ = ["optimizer_factory", "target_optimizer_kwargs", "OptimizerInBackward", "in_backward"]
+__all__ = ["OPTIMIZERS", "HF_OPTIM", "known_optimizer", "optimizer_names", "optimizer_factory",
+           "target_optimizer_kwargs", "OptimizerInBackward", "in_backward"]
+
+#: Optimizer names and how nbmem builds them (learning rates don't change memory).
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.01),
+    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+    "adagrad": torch.optim.Adagrad,
+    "rmsprop": torch.optim.RMSprop,
+    # one kernel per parameter group, updating in place: no foreach temporaries (Hugging Face's adamw_torch_fused)
+    "adam-fused": functools.partial(torch.optim.Adam, fused=True),
+    "adamw-fused": functools.partial(torch.optim.AdamW, fused=True),
+}
+
+
+def adafactor(parameters: Any, **options: Any) -> Any:
+    """transformers' Adafactor with the Trainer's own settings for ``optim="adafactor"``."""
+    from transformers.optimization import Adafactor
+
+    # transformers' trainer_optimizer.py: scale_parameter=False, relative_step=False, and a learning rate
+    return Adafactor(parameters, scale_parameter=False, relative_step=False, lr=1e-3, **options)
+
+
+#: Hugging Face's ``TrainingArguments.optim`` names beyond bitsandbytes' (nbmem.estimation.low_bit.LOW_BIT):
+#: torch's optimizers by nbmem's name for them, and transformers' Adafactor.
+HF_OPTIM: dict[str, str | Callable[..., Any]] = {
+    "adamw_torch": "adamw",
+    "adamw_torch_fused": "adamw-fused",
+    "sgd": "sgd",
+    "adagrad": "adagrad",
+    "rmsprop": "rmsprop",
+    "adafactor": adafactor,
+}
+
+
+def known_optimizer(name: str) -> bool:
+    """Whether ``optimizer=name`` is one nbmem builds."""
+    return name in OPTIMIZERS or name in HF_OPTIM or name in LOW_BIT
+
+
+def optimizer_names() -> str:
+    """Every name ``optimizer=`` takes, for an error message."""
+    return (f"{', '.join(OPTIMIZERS)}; Hugging Face's optim names {', '.join(n for n in HF_OPTIM if n not in OPTIMIZERS)}"
+            f", and bitsandbytes' {', '.join(LOW_BIT)}")
+
+
+def _canonical(name: str) -> str | Callable[..., Any]:
+    return HF_OPTIM.get(name, name)
 
 
 def optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | None) -> Callable[..., Any]:
     """How nbmem builds the optimizer: by name, the user's factory, or (None: the user's step brings its own) none."""
     if optimizer is None:
         return lambda parameters, **kwargs: None
-    return OPTIMIZERS[optimizer] if isinstance(optimizer, str) else optimizer
+    if not isinstance(optimizer, str):
+        return optimizer
+    if optimizer in LOW_BIT:
+        return low_bit_factory(optimizer)
+    named = _canonical(optimizer)
+    return OPTIMIZERS[named] if isinstance(named, str) else named
 
 
 def target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str]) -> dict[str, Any]:
@@ -41,6 +95,9 @@ def target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, not
     if not isinstance(optimizer, str):
         notes.append("optimizer: your factory's own defaults (built-in optimizers default to foreach on CUDA)")
         return {}
+    if optimizer in LOW_BIT or not isinstance(_canonical(optimizer), str):
+        return {}  # bitsandbytes' (nbmem.estimation.low_bit says which) and Adafactor: one implementation each
+    optimizer = str(_canonical(optimizer))
     if optimizer.endswith("-fused"):
         notes.append(f"optimizer: {optimizer.removesuffix('-fused')} with fused=True: one kernel per parameter group, "
                      "updating in place, no temporaries (as the meta kernels say; untested on CUDA)")

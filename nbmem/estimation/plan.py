@@ -25,7 +25,6 @@ ValueError: batch_size must be a positive whole number, got 0
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,6 +38,8 @@ from .selective import check_saves, saves_label
 from .step import ZERO_GRAD
 from .finetune import check_trainable, trainable_label
 from .parallel import check_mp_policy, check_parallel, per_device_batch
+from .quantization import Quantization, require_bitsandbytes
+from .optimizers import OPTIMIZERS, known_optimizer, optimizer_names
 from .tasks import check_task
 from .userstep import check_step, step_name
 
@@ -49,20 +50,6 @@ MODES = ("estimated", "tracked", "measured")
 
 #: fp32; bf16/fp16 autocast (fp16 with a GradScaler); pure bf16/fp16 weights.
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-weights", "fp16-weights")
-
-#: Optimizer names and how nbmem builds them (learning rates don't change memory).
-OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
-    "sgd": functools.partial(torch.optim.SGD, lr=0.01),
-    "sgd-momentum": functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9),
-    "adam": torch.optim.Adam,
-    "adamw": torch.optim.AdamW,
-    "adagrad": torch.optim.Adagrad,
-    "rmsprop": torch.optim.RMSprop,
-    # one kernel per parameter group, updating in place: no foreach temporaries (Hugging Face's adamw_torch_fused)
-    "adam-fused": functools.partial(torch.optim.Adam, fused=True),
-    "adamw-fused": functools.partial(torch.optim.AdamW, fused=True),
-}
-
 
 @dataclass(frozen=True)
 class Plan:
@@ -115,10 +102,15 @@ class Plan:
     #: A Hugging Face model's attention implementation (attn_implementation): "eager", "sdpa", "flash_attention_2"...
     #: None: the model's own.
     attention: str | None = None
+    #: Quantized weights (nbmem.estimation.quantization): "nf4", "fp4", "int8", a BitsAndBytesConfig or a
+    #: Quantization; None: the weights as built.
+    quantization: Any = None
     #: The settings alloc_conf resolves to.
     allocator: AllocatorSettings = field(init=False, repr=False, compare=False)
     #: The batch size each device runs (from batch_size, or global_batch_size / (world_size x accumulation)).
     per_device_batch: int = field(init=False, repr=False, compare=False)
+    #: What quantization resolves to (None: nothing quantized).
+    quantized: Quantization | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # the order of the checks is the order a user reads the arguments in: sizes, then the task, then the rest
@@ -132,12 +124,12 @@ class Plan:
         _check_accumulation(self.accumulation)
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}: use one of {', '.join(PRECISIONS)}")
-        if isinstance(self.optimizer, str) and self.optimizer not in OPTIMIZERS:
+        if isinstance(self.optimizer, str) and not known_optimizer(self.optimizer):
             raise ValueError(
-                f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZERS)}, or pass a function "
+                f"unknown optimizer {self.optimizer!r}: use one of {optimizer_names()}, or pass a function "
                 "that takes the parameters and returns a torch.optim.Optimizer"
             )
-        if isinstance(self.optimizer, str) and self.optimizer.endswith("-fused") and self.foreach is not None:
+        if isinstance(self.optimizer, str) and self.optimizer.endswith(("-fused", "_fused")) and self.foreach is not None:
             raise ValueError(f"optimizer={self.optimizer!r} is the fused implementation, which takes no foreach: leave "
                              f"foreach out, or use {self.optimizer.removesuffix('-fused')!r} with foreach=")
         check_step(self.step, accumulation=self.accumulation, loss=self.loss, optimizer=self.optimizer,
@@ -149,6 +141,7 @@ class Plan:
         self._check_in_backward()
         check_mp_policy(self.mp_policy, self.parallel)
         check_attention(self.attention)
+        self._check_quantization()
         if self.task != "train" and self.trainable is not None:
             raise ValueError(
                 f"trainable= chooses what a training step updates, and task={self.task!r} updates nothing: leave trainable out"
@@ -185,6 +178,16 @@ class Plan:
                              "them itself: leave zero_grad out")
         if self.zero_grad != "after_step" and self.task != "train":
             raise ValueError(f"zero_grad= applies to training, and task={self.task!r} computes no gradients: leave it out")
+
+    def _check_quantization(self) -> None:
+        quantized = None if self.quantization is None else Quantization.of(self.quantization)
+        object.__setattr__(self, "quantized", quantized)
+        if quantized is None:
+            return
+        require_bitsandbytes("quantization=")
+        if self.parallel != "single":
+            raise ValueError(f"quantization= with parallel={self.parallel!r} is not estimated yet (FSDP's QLoRA "
+                             "shards 4-bit weights stored as bf16): leave one of them out")
 
     def _check_in_backward(self) -> None:
         if not self.optimizer_in_backward:
@@ -250,6 +253,8 @@ class Plan:
             words.append(f"{self.parallel} on {self.world_size} GPUs")
         if self.attention is not None:
             words.append(f"{self.attention} attention")
+        if self.quantized is not None:
+            words.append(f"weights {self.quantized.method}")
         if self.mp_policy is not None:
             words.append(f"FSDP mixed precision {self.mp_policy if isinstance(self.mp_policy, str) else 'policy given'}")
         if self.block is not None:

@@ -17,6 +17,7 @@ from ..core import _env
 from ..core.devices import PRESETS, parse_capacity
 from ..estimation.estimate import OPTIMIZERS, PRECISIONS, Estimate, estimate
 from ..estimation.finetune import AS_BUILT, check_trainable, trainable_label
+from ..estimation.quantization import SHORTHANDS, quantization_label
 from ..estimation.finetune import PRESETS as TRAINABLE_PRESETS
 from ..estimation.parallel import STRATEGIES, check_parallel
 from ..core.results import stacked_bar_html
@@ -54,6 +55,7 @@ class Explorer:
         world_size: int = 1,
         step: Any = None,
         trainable: Any = None,
+        quantization: Any = None,
     ) -> None:
         import ipywidgets as widgets
 
@@ -63,6 +65,7 @@ class Explorer:
                    precision=precision)
         self.step = step  # the user's own training step (None: nbmem's built-in one)
         check_trainable(trainable)
+        weights = _weights_menu(quantization)  # an unknown quantization fails here, not in a callback
         optimizers = list(OPTIMIZERS) + ([OWN_OPTIMIZER] if step is not None else [])
         if world_size not in WORLD_SIZES:
             raise ValueError(f"the explorer offers world sizes {', '.join(map(str, WORLD_SIZES))}, got {world_size}")
@@ -89,6 +92,8 @@ class Explorer:
                                            disabled=parallel == "single", style=style),
             "trainable": widgets.Dropdown(options=_trainable_menu(trainable), value=_menu_value(trainable),
                                           description="trains", style=style),
+            "quantization": widgets.Dropdown(options=weights, value=AS_BUILT if quantization is None else quantization,
+                                             description="weights", style=style),
         }
         self.chart = widgets.HTML()
         self.chart.add_class("nbmem-explore-chart")
@@ -111,8 +116,9 @@ class Explorer:
         config = {name: control.value for name, control in self.controls.items()}
         if config["optimizer"] == OWN_OPTIMIZER:
             config["optimizer"] = None
-        if config["trainable"] == AS_BUILT:  # a menu value can't be None
-            config["trainable"] = None
+        for name in ("trainable", "quantization"):
+            if config[name] == AS_BUILT:  # a menu value can't be None
+                config[name] = None
         return {**config, "step": self.step}
 
     def _changed(self, change: Any) -> None:
@@ -131,7 +137,8 @@ class Explorer:
         started = time.perf_counter()
         config = self.config()
         # a PEFT config can't be hashed: what trains is keyed by its label (the menu holds one value per label)
-        key = tuple(sorted((name, trainable_label(value) if name == "trainable" else value)
+        key = tuple(sorted((name, trainable_label(value) if name == "trainable" else
+                            quantization_label(value) if name == "quantization" else value)
                            for name, value in config.items() if name != "step"))
         if key not in self._cache:
             self._cache[key] = estimate(self.model, self.batch, **config)
@@ -196,6 +203,18 @@ def _trainable_menu(trainable: Any) -> list[tuple[str, Any]]:
     return menu
 
 
+def _weights_menu(quantization: Any) -> list[tuple[str, Any]]:
+    """The "weights" menu: as built, and bitsandbytes' 4-bit and 8-bit where it is installed, and the user's own."""
+    menu = [(AS_BUILT, AS_BUILT)]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        menu += [(name, name) for name in SHORTHANDS]
+    if quantization is not None and quantization not in SHORTHANDS:
+        menu.append((f"yours: {quantization_label(quantization)}", quantization))
+    elif quantization is not None and len(menu) == 1:
+        Plan(batch_size=1, quantization=quantization)  # says what to install
+    return menu
+
+
 def _menu_value(trainable: Any) -> Any:
     return AS_BUILT if trainable is None else trainable
 
@@ -239,7 +258,9 @@ def explore(model: Any, batch: Any, **options: Any) -> Explorer | None:
     :func:`nbmem.estimate`; the accumulation slider is then off, and the
     optimizer menu offers "your step's own", ``optimizer=None``), and
     ``trainable`` (see :func:`nbmem.estimate`): the "trains" menu offers
-    as built, all, head and lora (where peft is installed), and yours.
+    as built, all, head and lora (where peft is installed), and yours; and
+    ``quantization``: the "weights" menu offers as built, nf4, fp4 and int8
+    (where bitsandbytes is installed), and yours.
     ``model`` and ``batch`` are as for :func:`nbmem.estimate`. Each change of
     a control re-estimates on fake tensors; returns the :class:`Explorer`
     (``controls``: the widgets by knob name; ``last``: the current

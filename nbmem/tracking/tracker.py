@@ -92,6 +92,9 @@ class Tracker(Activation):
         self.adopt_unseen = True
         #: Count fake tensors (an estimate's tracker); a tracker of real memory ignores them.
         self.fake = False
+        #: Storages outside PyTorch's allocator, never counted, by key (an estimate's paged optimizer state, in
+        #: CUDA managed memory: nbmem.estimation.low_bit), held by whoever put them here.
+        self.outside: dict[int, torch.Tensor] = {}
         #: Whether a scope's baseline is every storage alive on the device (a
         #: default tracker: as a GPU counts, issue 12) or only what its ops touch
         #: (a tracker of one's own: a fresh device, as estimates use).
@@ -440,6 +443,8 @@ class Tracker(Activation):
                 # (round_allocation, inline: this runs for most ops)
                 if not adopt and -(-storage.nbytes() // self.block) * self.block != record.size:
                     self._resized(key, record, storage.nbytes())
+                return
+            if key in self.outside:
                 return
         if not self._on_device(tensor):
             return

@@ -167,6 +167,7 @@ def max_batch_size(
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
     attention: str | None = None,
+    quantization: Any = None,
     progress: bool = True,
 ) -> BatchSizeResult:
     """The largest batch size whose training step fits ``device`` (``"T4"``, ``"16GiB"``).
@@ -209,7 +210,8 @@ def max_batch_size(
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
     the built-in step zeroes gradients, ``optimizer_in_backward`` steps each
     parameter inside backward, ``mp_policy`` is FSDP2's mixed precision,
-    ``attention`` a Hugging Face model's attention implementation.
+    ``attention`` a Hugging Face model's attention implementation, ``quantization``
+    the weights' (``"nf4"``, ``"int8"``, a BitsAndBytesConfig; see :func:`nbmem.estimate`).
 
     ``progress`` (True or False) shows each estimate and real trial as it
     runs and what it gave (fits or OOM, and its peak), where it can be seen
@@ -253,7 +255,8 @@ def max_batch_size(
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
-                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, attention=attention)
+                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, attention=attention,
+                quantization=quantization)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 
 from ..estimation.estimate import Estimate
 from ..estimation.finetune import trainable_label
+from ..estimation.quantization import quantization_label
 from ..estimation.userstep import BUILT_IN
 from ..core.results import text_table
 from ..core.units import format_bytes
@@ -16,7 +17,7 @@ __all__ = ["Comparison", "SweepRow", "AXES"]
 
 #: The knobs a sweep can vary, in the order a table shows them.
 AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation", "parallel", "world_size", "trainable",
-        "task", "prompt_length", "new_tokens")
+        "quantization", "task", "prompt_length", "new_tokens")
 
 #: The axes a table's rows (and a chart's x axis) take first, when swept: the context length, then sizes.
 _ROW_AXES = ("prompt_length", "batch_size", "world_size")
@@ -39,7 +40,8 @@ class SweepRow:
     def value(self, axis: str) -> Any:
         """The knob's value; what trains by its label (a predicate or a PEFT config has no readable value)."""
         value = dict(self.config)[axis]
-        return trainable_label(value) if axis == "trainable" else value
+        return trainable_label(value) if axis == "trainable" else quantization_label(value) if axis == "quantization" \
+            else value
 
 
 class Comparison:

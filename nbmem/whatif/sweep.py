@@ -17,6 +17,7 @@ import torch
 
 from .comparison import AXES, Comparison, SweepRow
 from ..estimation.estimate import Estimate, estimate_plan
+from ..estimation.quantization import Quantization, quantization_label
 from ..estimation.finetune import check_trainable, trainable_label
 from .launcher import RankError, launch_plan
 from ..estimation.parallel import check_parallel
@@ -65,6 +66,7 @@ def sweep(
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
     attention: str | None = None,
+    quantization: Any = None,
     timeline: bool = False,
     progress: bool = True,
 ) -> Comparison:
@@ -114,6 +116,8 @@ def sweep(
     steps each parameter inside backward, ``mp_policy`` is FSDP2's mixed
     precision, for the FSDP configurations, and ``attention`` a Hugging Face
     model's attention implementation (see :func:`nbmem.estimate`).
+    ``quantization`` is an axis too: ``[None, "nf4", "int8"]`` puts the
+    weights as built beside QLoRA's 4-bit and 8-bit ones.
     ``timeline=True`` keeps each configuration's allocations (one process's:
     a launched data-parallel run keeps none): ``table.rows[i].result`` then
     plots them and writes them for PyTorch's memory viewer
@@ -144,6 +148,7 @@ def sweep(
         "parallel": _values("parallel", parallel),
         "world_size": _values("world_size", world_size),
         "trainable": _trainable_values(trainable),
+        "quantization": _quantization_values(quantization),
         "task": _values("task", task),
         "prompt_length": _values("prompt_length", prompt_length),
         "new_tokens": _values("new_tokens", new_tokens),
@@ -173,7 +178,7 @@ def sweep(
         chosen = dict(zip(grid, combination))
         options = used_knobs(chosen)
         config = tuple(options.items())
-        key = tuple((name, trainable_label(value) if name == "trainable" else value) for name, value in config)
+        key = tuple((name, _shown(name, value)) for name, value in config)
         if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen:
             continue  # one device has no world size to vary; a task ran this configuration already
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
@@ -225,8 +230,21 @@ def _outcome(row: SweepRow, mode: str) -> str:
 
 
 def _shown(axis: str, value: Any) -> Any:
-    """A knob's value as the progress view names it (a trainable choice by its label)."""
-    return trainable_label(value) if axis == "trainable" else value
+    """A knob's value as the progress view names it (a trainable choice or a quantization by its label)."""
+    return trainable_label(value) if axis == "trainable" else quantization_label(value) if axis == "quantization" \
+        else value
+
+
+def _quantization_values(quantization: Any) -> list[Any]:
+    """The quantization axis, each checked before anything runs and told apart by its label."""
+    values = _values("quantization", quantization)
+    for value in values:
+        if value is not None:
+            Quantization.of(value)
+    labels = [quantization_label(value) for value in values]
+    if len(set(labels)) < len(labels):
+        raise ValueError(f"two quantizations share a name ({', '.join(labels)}): sweep different ones")
+    return values
 
 
 def _trainable_values(trainable: Any) -> list[Any]:

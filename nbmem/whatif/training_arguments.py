@@ -29,20 +29,15 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..estimation.estimate import Estimate, estimate
+from ..estimation.low_bit import LOW_BIT
+from ..estimation.optimizers import HF_OPTIM
 from ..estimation.userstep import estimating
 
 __all__ = ["estimate_trainer", "knobs_from_training_arguments", "TrainingKnobs", "OPTIM"]
 
 #: Hugging Face's ``optim`` names nbmem estimates, and the optimizer each means (the others are not understood yet:
-#: bitsandbytes' and torchao's low-bit and paged optimizers, GaLore, LOMO, schedule-free: issue 25).
-OPTIM = {
-    "adamw_torch": "adamw",
-    "adamw_torch_fused": "adamw-fused",
-    "sgd": "sgd",
-    "adagrad": "adagrad",
-    "rmsprop": "rmsprop",
-    "adafactor": "adafactor",
-}
+#: torchao's low-bit optimizers, GaLore, LOMO, schedule-free). bitsandbytes' keep their own names.
+OPTIM: dict[str, Any] = {**HF_OPTIM, **{name: name for name in LOW_BIT}}
 
 # FSDP options (transformers' FSDPOption) and what each is here
 _FSDP = {"full_shard": "fsdp", "shard_grad_op": "fsdp-no-reshard"}
@@ -58,13 +53,6 @@ class TrainingKnobs:
     read: tuple[str, ...]
     #: settings that change memory which nbmem does not estimate (never ignored silently)
     not_understood: tuple[str, ...]
-
-
-def adafactor(parameters: Any, **options: Any) -> Any:
-    from transformers.optimization import Adafactor
-
-    # Trainer's own defaults for optim="adafactor" (transformers' trainer get_optimizer_cls_and_kwargs)
-    return Adafactor(parameters, scale_parameter=False, relative_step=False, lr=1e-3, **options)
 
 
 def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> TrainingKnobs:
@@ -101,10 +89,12 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
                     + (f" (its kwargs {options} change no memory nbmem counts)" if options else ""))
     optim = str(setting("optim", "adamw_torch"))
     if optim in OPTIM:
-        knobs["optimizer"] = adafactor if OPTIM[optim] == "adafactor" else OPTIM[optim]
+        knobs["optimizer"] = OPTIM[optim]
         if optim != "adamw_torch":
             read.append(f"optim={optim!r}: " + ("transformers' Adafactor with the Trainer's arguments"
-                                                if optim == "adafactor" else repr(OPTIM[optim])))
+                                                if optim == "adafactor" else
+                                                "bitsandbytes' own optimizer, as the Trainer builds it" if optim in LOW_BIT
+                                                else repr(OPTIM[optim])))
     else:
         unknown.append(f"optim={optim!r} (nbmem estimates {', '.join(OPTIM)})")
     if setting("optim_args"):
