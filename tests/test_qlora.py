@@ -248,3 +248,46 @@ def test_max_batch_size_takes_the_quantization():
     # the prediction from estimates held in a tracked run of bitsandbytes' CPU kernels; on a model this small the
     # 4-bit layers' casts (input to bf16, output back to fp32) outweigh what their weights save, so fewer fit
     assert quantized.predicted == quantized.batch_size and quantized.batch_size < full.batch_size
+
+
+def test_bitsandbytes_own_heuristic_chooses_the_kernel_for_the_gpu():
+    from nbmem.estimation.quantized_kernels import QuantizedKernels
+
+    shape = dict(out_features=4096, in_features=1024, blocksize=64)
+    # bitsandbytes' _gemm_4bit_use_custom_cuda: a T4 (sm75) has fp16 MMA only: 64 rows fused in fp16 (n_blocks 64 >=
+    # 40 SMs / 2), dequantized in bf16 (past 7 rows); an H100 at 64 rows of this shape dequantizes (64 < 132 / 2)
+    assert QuantizedKernels("T4").fused(torch.float16, rows=64, **shape)
+    assert not QuantizedKernels("T4").fused(torch.bfloat16, rows=64, **shape)
+    assert not QuantizedKernels("H100-80GB").fused(torch.bfloat16, rows=64, **shape)
+    # 11008 x 4096 on an H100 (172 blocks >= 132 SMs): fused up to 32 rows
+    assert QuantizedKernels("H100-80GB").fused(torch.bfloat16, rows=32, out_features=11008, in_features=4096, blocksize=64)
+    assert not QuantizedKernels("H100-80GB").fused(torch.bfloat16, rows=33, out_features=11008, in_features=4096,
+                                                   blocksize=64)
+    # without a GPU named: bitsandbytes' bounds, fused only up to 4 rows; past 1,536 rows never fused
+    assert not QuantizedKernels(None).fused(torch.float16, rows=64, **shape)
+    assert not QuantizedKernels("T4").fused(torch.float16, rows=2048, **shape)
+
+
+def test_the_dequantize_fallback_holds_a_weight_copy_and_two_absmax_arrays(monkeypatch):
+    from nbmem.estimation.quantized_kernels import QuantizedKernels
+
+    def one_layer():
+        return nn.Sequential(nn.Linear(1024, 4096, bias=False))
+
+    def peak():
+        # bf16 in, bf16 compute: no casts around the matmul, whose own output and temporaries make the peak
+        return nbmem.estimate(one_layer, lambda n: torch.randn(n, 1024, dtype=torch.bfloat16), batch_size=2048,
+                              task="inference", quantization="nf4", device="H100-80GB")
+
+    dequantized = peak()
+    monkeypatch.setattr(QuantizedKernels, "fused", lambda self, *args, **kwargs: True)
+    fused = peak()
+    # the bf16 copy of the 4096 x 1024 weight, and the fp32 absmax of its 65,536 blocks twice (dequantized, + offset)
+    assert dequantized.peak - fused.peak == 4096 * 1024 * 2 + 2 * 65536 * 4
+    assert any("1 dequantize the weight to a compute-dtype copy" in note and "for the H100-80GB (132 SMs, compute "
+               "capability 9.0)" in note for note in dequantized.notes)
+
+
+def test_int8_runs_cudas_autograd_function_and_its_int32_buffer():
+    result = nbmem.estimate(linear, features, batch_size=4, optimizer="sgd", quantization=Quantization("int8", skip=("2",)))
+    assert any("each of the 1 int8 matmuls per step holds an int32 buffer" in note for note in result.notes)

@@ -36,7 +36,7 @@ from typing import Literal
 
 from nbmem.core.units import format_bytes, parse_bytes
 
-__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity", "COMPUTE_CAPABILITY"]
+__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity", "COMPUTE_CAPABILITY", "SM_COUNT"]
 
 _GIB = 2**30
 _MIB = 2**20
@@ -361,4 +361,12 @@ COMPUTE_CAPABILITY = MappingProxyType({
     "T4": (7, 5), "L4": (8, 9), "A10": (8, 6), "A10G": (8, 6), "V100-16GB": (7, 0), "V100-32GB": (7, 0),
     "RTX-3060-12GB": (8, 6), "RTX-3090": (8, 6), "RTX-4090": (8, 9), "RTX-5090": (12, 0), "RTX-A6000": (8, 6),
     "L40S": (8, 9), "A100-40GB": (8, 0), "A100-80GB": (8, 0), "H100-80GB": (9, 0), "H200": (9, 0),
+})
+
+#: Each preset's streaming multiprocessors (NVIDIA's specifications; H100-80GB is the SXM part, 132, as the H100 lent
+#: to this project reported): bitsandbytes' 4-bit matmul chooses its kernel by them (nbmem.estimation.quantized_kernels).
+SM_COUNT = MappingProxyType({
+    "T4": 40, "L4": 58, "A10": 72, "A10G": 80, "V100-16GB": 80, "V100-32GB": 80, "RTX-3060-12GB": 28, "RTX-3090": 82,
+    "RTX-4090": 128, "RTX-5090": 170, "RTX-A6000": 84, "L40S": 142, "A100-40GB": 108, "A100-80GB": 108,
+    "H100-80GB": 132, "H200": 132,
 })

@@ -43,7 +43,9 @@ from .low_bit import prepare_low_bit
 from .optimizers import in_backward, optimizer_factory, target_optimizer_kwargs
 from .workspaces import WithWorkspaces, Workspaces, workspaces_for
 from .parallel import fsdp_units, parallelize, process_group
-from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized
+from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
+from .quantized_kernels import QuantizedKernels
+from .quantized_layers import follow_cuda
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..core.results import Breakdown
 from ..tracking.compiled import eager_stance
@@ -482,7 +484,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             if feed is not None:  # the first matmuls of the first step make them
                 feed.add(workspaces)
             watch = TrainedWatch(network, whole.tracker, trainable) if trainable is not None else None
-            for rule in (policy, attention):  # CUDA's autocast lists and attention kernels, on the CPU
+            kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else None
+            if kernels is not None:
+                follow_cuda(network)
+            for rule in (policy, attention, kernels):  # CUDA's autocast lists, attention and bitsandbytes kernels
                 if rule is not None:
                     target_rules.enter_context(rule)
             if fake_mode is not None:
@@ -541,6 +546,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         )
     if attention is not None:
         notes += attention.notes(steps=2)
+    if kernels is not None:
+        notes += kernels.notes(steps=2 if task == "train" else 1)
     if mode == "measured":
         notes.append(
             "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "

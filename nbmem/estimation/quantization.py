@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "SHORTHANDS", "quantization_label", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
+__all__ = ["Quantization", "SHORTHANDS", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
 
 #: The names ``quantization=`` takes as strings.
 SHORTHANDS = ("nf4", "fp4", "int8")
@@ -213,12 +213,6 @@ def quantize_model(model: nn.Module, quantization: Quantization, notes: list[str
         f"(as from_pretrained with a BitsAndBytesConfig); left as they were: "
         f"{', '.join(skipped[:4]) + (' ...' if len(skipped) > 4 else '') if skipped else 'none'}, and every other layer"
     )
-    notes.append(
-        "not modelled yet (untested on CUDA): bitsandbytes' CUDA kernels' own temporaries; for more than a few tokens "
-        "its 4-bit matmul dequantizes the layer's weight to a full compute-dtype copy in forward and again in "
-        "backward (out x in x 2 bytes in flight, 90 MB for a 7B model's gate_proj), and int8's holds int32 and fp16 "
-        "buffers of the output's size"
-    )
     if quantization.method == "int8":
         notes.append(
             f"int8: outlier columns (llm_int8_threshold={quantization.threshold:g}) depend on the data; the run assumes "
@@ -234,6 +228,12 @@ def prepare_quantized(model: nn.Module, quantization: Quantization, trains: bool
     if trains and quantization.kbit_casts:
         kbit_casts(model, notes)
     return model
+
+
+def quantized(model: nn.Module) -> bool:
+    """Whether any weight of ``model`` is one bitsandbytes quantized (nbmem's, or the user's own)."""
+    return any(getattr(parameter, "quant_state", None) is not None or getattr(parameter, "SCB", None) is not None
+               or type(parameter).__module__.startswith("bitsandbytes.") for parameter in model.parameters())
 
 
 def classify_quantization_state(model: nn.Module, classify: Callable[[torch.Tensor, str], None]) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 
 from .quantization import Quantization
 
-__all__ = ["quantized_layer"]
+__all__ = ["quantized_layer", "follow_cuda"]
 
 
 def quantized_layer(module: nn.Module, quantization: Quantization) -> nn.Module:
@@ -48,7 +48,20 @@ def quantized_layer(module: nn.Module, quantization: Quantization) -> nn.Module:
         bias.requires_grad_(False)  # transformers freezes the quantized layer whole
     new.train(module.training)
     layer: nn.Module = new
+    follow_cuda(layer)
     return layer
+
+
+def follow_cuda(model: nn.Module) -> None:
+    """Make bitsandbytes' 4-bit layers in ``model`` take CUDA's path, also on CPU tensors (fake or real).
+
+    On a CPU bitsandbytes repacks a 4-bit weight for AVX-512 in eval mode; the
+    step nbmem runs stands for a GPU's, so that is not done. (The int8 layers'
+    path is nbmem.estimation.quantized_kernels'.)
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            setattr(module, "support_avx512bf16_for_cpu", False)
 
 
 def _fake(tensor: torch.Tensor) -> bool:
