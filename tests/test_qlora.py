@@ -291,3 +291,24 @@ def test_the_dequantize_fallback_holds_a_weight_copy_and_two_absmax_arrays(monke
 def test_int8_runs_cudas_autograd_function_and_its_int32_buffer():
     result = nbmem.estimate(linear, features, batch_size=4, optimizer="sgd", quantization=Quantization("int8", skip=("2",)))
     assert any("each of the 1 int8 matmuls per step holds an int32 buffer" in note for note in result.notes)
+
+
+def test_an_estimate_leaves_bitsandbytes_as_it_found_it_even_when_the_step_fails():
+    import bitsandbytes
+    import bitsandbytes.functional as functional
+
+    before = (bitsandbytes.matmul_4bit, bitsandbytes.matmul, functional.name2qmap.get("dynamic"))
+
+    def broken_loss(output, batch):
+        raise RuntimeError("the user's loss failed")
+
+    quantization = Quantization("nf4", skip=("2",))
+    with pytest.raises(RuntimeError, match="the user's loss failed"):
+        nbmem.estimate(linear, features, batch_size=4, quantization=quantization, loss=broken_loss)
+    assert (bitsandbytes.matmul_4bit, bitsandbytes.matmul, functional.name2qmap.get("dynamic")) == before
+    assert nbmem.estimate(linear, features, batch_size=4, quantization=quantization).peak > 0  # the next one runs
+
+
+def test_quantizing_every_weight_of_a_model_that_trains_as_built_says_what_to_do():
+    with pytest.raises(ValueError, match="left nothing to train: .* Pass trainable='lora'"):
+        nbmem.estimate(linear, features, batch_size=4, quantization="nf4")

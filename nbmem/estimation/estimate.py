@@ -432,7 +432,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             if plan.quantized is not None:
                 target_rules.enter_context(code_maps(fake_mode, run_on))
-                network = prepare_quantized(network, plan.quantized, plan.trains and trainable is not None, notes)
+                network = prepare_quantized(network, plan.quantized, plan.trains and trainable is not None, notes,
+                                            as_built=plan.trains and trainable is None and step is None)
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True
             classify_quantization_state(network, whole.tracker.classify)  # also a model quantized before nbmem got it
             network = apply_trainable(network, trainable, notes)

@@ -222,9 +222,20 @@ def quantize_model(model: nn.Module, quantization: Quantization, notes: list[str
     return model
 
 
-def prepare_quantized(model: nn.Module, quantization: Quantization, trains: bool, notes: list[str]) -> nn.Module:
-    """:func:`quantize_model`, then peft's casts when ``trains``. An estimate runs it inside :func:`code_maps`."""
+def prepare_quantized(model: nn.Module, quantization: Quantization, trains: bool, notes: list[str],
+                      as_built: bool = False) -> nn.Module:
+    """:func:`quantize_model`, then peft's casts when ``trains`` (something is chosen to train).
+
+    ``as_built``: the model trains as it comes, which needs a parameter left
+    that can (quantized weights can't). An estimate runs it inside :func:`code_maps`.
+    """
     model = quantize_model(model, quantization, notes)
+    if as_built and not any(parameter.requires_grad for parameter in model.parameters()):
+        raise ValueError(
+            f"quantization={quantization.method!r} left nothing to train: bitsandbytes' quantized weights are frozen, "
+            "and the model has no other parameter that trains. Pass trainable='lora' (QLoRA) or a peft config, or "
+            "leave some layers unquantized with nbmem.Quantization(..., skip=[their names])"
+        )
     if trains and quantization.kbit_casts:
         kbit_casts(model, notes)
     return model
@@ -361,8 +372,9 @@ def code_maps(fake_mode: Any, device: torch.device) -> Iterator[None]:
         return
     with _disable_current_modes():
         real = before if had and not _is_fake(before) else functional.create_dynamic_map()
-    functional.name2qmap["dynamic"] = fake_mode.from_tensor(real)
+    lent = fake_mode.from_tensor(real)
     try:
+        functional.name2qmap["dynamic"] = lent
         yield
     finally:
         if had:

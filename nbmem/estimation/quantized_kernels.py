@@ -85,24 +85,32 @@ class QuantizedKernels:
     def __enter__(self) -> QuantizedKernels:
         if not QuantizedKernels._active.acquire(blocking=False):
             raise RuntimeError("nbmem's QuantizedKernels is already active in this process: one at a time")
-        bitsandbytes: Any = importlib.import_module("bitsandbytes")  # untyped: its module attributes are replaced
-        self._module = bitsandbytes
-        self._int8_function = bitsandbytes.autograd._functions.MatMul8bitLt
-        # bitsandbytes logs a warning at every int8 matmul whose input is not fp16 (it casts it): once per layer per
-        # step here, where the cast is counted; its logger is quiet while the step runs
-        self._logger = logging.getLogger("bitsandbytes.autograd._functions")
-        self._level = self._logger.level
-        self._matmul_4bit, self._matmul = bitsandbytes.matmul_4bit, bitsandbytes.matmul
-        # all or nothing (Ctrl-C): both stand-ins in one statement, undone by __exit__ whatever happened
-        bitsandbytes.matmul_4bit, bitsandbytes.matmul = self._4bit, self._int8
-        self._logger.setLevel(logging.ERROR)
+        try:
+            bitsandbytes: Any = importlib.import_module("bitsandbytes")  # untyped: its attributes are replaced
+            self._module = bitsandbytes
+            self._int8_function = bitsandbytes.autograd._functions.MatMul8bitLt
+            # bitsandbytes logs a warning at every int8 matmul whose input is not fp16 (it casts it): once per layer
+            # per step here, where the cast is counted; its logger is quiet while the step runs
+            self._logger = logging.getLogger("bitsandbytes.autograd._functions")
+            self._level: int | None = self._logger.level
+            self._matmul_4bit, self._matmul = bitsandbytes.matmul_4bit, bitsandbytes.matmul
+            # both stand-ins in one statement: Ctrl-C finds both or neither
+            bitsandbytes.matmul_4bit, bitsandbytes.matmul = self._4bit, self._int8
+            self._logger.setLevel(logging.ERROR)
+        except BaseException:  # Ctrl-C while entering: nothing of it stays
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         try:
-            self._module.matmul_4bit, self._module.matmul = self._matmul_4bit, self._matmul
-            self._logger.setLevel(self._level)
+            if getattr(self, "_matmul", None) is not None:
+                self._module.matmul_4bit, self._module.matmul = self._matmul_4bit, self._matmul
+            level = getattr(self, "_level", None)
+            if level is not None:
+                self._logger.setLevel(level)
         finally:
+            self._matmul = self._level = None
             QuantizedKernels._active.release()
 
     def _4bit(self, A: torch.Tensor, B: torch.Tensor, quant_state: Any, out: Any = None, bias: Any = None) -> Any:
