@@ -7,6 +7,7 @@ extra (NBMEM_REQUIRE_QUANT=1 turns a missing bitsandbytes into a failure).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -312,3 +313,56 @@ def test_an_estimate_leaves_bitsandbytes_as_it_found_it_even_when_the_step_fails
 def test_quantizing_every_weight_of_a_model_that_trains_as_built_says_what_to_do():
     with pytest.raises(ValueError, match="left nothing to train: .* Pass trainable='lora'"):
         nbmem.estimate(linear, features, batch_size=4, quantization="nf4")
+
+
+@pytest.fixture()
+def torchao():
+    need("torchao", env="NBMEM_REQUIRE_QUANT")
+    import torchao.quantization
+
+    return torchao.quantization
+
+
+def bf16_llama() -> nn.Module:
+    return llama().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
+@pytest.mark.parametrize("trainable", [None, "lora"])
+def test_torchao_weight_configs_estimate_as_a_tracked_run_of_torchao(torchao, config, trainable):
+    figures = {}
+    for mode in ("estimated", "tracked"):
+        result = nbmem.estimate(bf16_llama, causal_lm_batch, batch_size=2, precision="bf16", mode=mode,
+                                quantization=getattr(torchao, config)(), trainable=trainable)
+        figures[mode] = (result.first_step, result.steady, result.parameters,
+                         *(result.breakdown.category(name) for name in ("parameter", "gradient", "optimizer state")))
+    assert figures["estimated"] == figures["tracked"]
+    assert any(f"quantized to torchao {config} by torchao's own functions" in note for note in result.notes)
+
+
+def test_torchao_int8_weight_is_a_byte_a_value_with_a_scale_and_zero_point_a_row(torchao):
+    def one_layer():
+        return nn.Sequential(nn.Linear(1024, 4096, bias=False, dtype=torch.bfloat16))
+
+    result = nbmem.estimate(one_layer, lambda n: torch.randn(n, 1024, dtype=torch.bfloat16), batch_size=4,
+                            task="inference", quantization=torchao.Int8WeightOnlyConfig())
+    # torchao's Int8Tensor: int8 qdata, an fp32 scale and an int8 zero point per output row
+    assert result.breakdown.category("parameter") == 4096 * 1024 + 4096 * 4 + 4096
+    assert nbmem.estimate(one_layer, lambda n: torch.randn(n, 1024), batch_size=4, task="inference",
+                          quantization=torchao.Float8WeightOnlyConfig()).parameters == 4096 * 1024
+
+
+def test_torchao_configs_that_cant_run_say_why(torchao):
+    with pytest.raises(ValueError, match="needs compute capability 8.9 or more .* the T4 has 7.5"):
+        nbmem.estimate(bf16_llama, causal_lm_batch, batch_size=1, device="T4", trainable="lora",
+                       quantization=torchao.Float8DynamicActivationFloat8WeightConfig())
+    try:
+        importable = importlib.util.find_spec("mslk") is not None
+    except ValueError:
+        importable = False
+    if not importable:  # torchao's int4 kernels live in a package of their own
+        with pytest.raises(ValueError, match="Int4WeightOnlyConfig needs a kernel package torchao could not import"):
+            nbmem.estimate(bf16_llama, causal_lm_batch, batch_size=1, trainable="lora",
+                           quantization=torchao.Int4WeightOnlyConfig())
+    assert nbmem.estimate(bf16_llama, causal_lm_batch, batch_size=1, trainable="lora",
+                          quantization=torchao.Int8WeightOnlyConfig()).peak > 0  # the session goes on

@@ -5,6 +5,10 @@ The fake-tensor mode (:mod:`.fakemode`), building models without memory
 (:mod:`.step`, :mod:`.userstep`, :mod:`.tasks`), fine-tuning choices
 (:mod:`.finetune`), CUDA's autocast policy and attention kernels followed on a
 CPU (:mod:`.autocast_policy`, :mod:`.attention`, :mod:`.kernels`), data
-parallelism (:mod:`.parallel`), what it can't run and says so (:mod:`.unsupported`:
-compiled code, bitsandbytes), and ``nbmem.estimate`` itself (:mod:`.estimate`). Built on :mod:`nbmem.tracking` and :mod:`nbmem.core`.
+parallelism (:mod:`.parallel`), quantized weights and low-bit optimizers through
+bitsandbytes' and torchao's own code (:mod:`.quantization`, :mod:`.quantized_layers`,
+:mod:`.quantized_kernels`, :mod:`.low_bit`), what it can't run and says so
+(:mod:`.unsupported`: compiled code, bitsandbytes models built on fake tensors),
+and ``nbmem.estimate`` itself (:mod:`.estimate`), whose result is :mod:`.result`'s.
+Built on :mod:`nbmem.tracking` and :mod:`nbmem.core`.
 """

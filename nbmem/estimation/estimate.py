@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import html
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from .attention import FusedAttention, set_attention
-from .finetune import Trained, TrainedWatch, apply_trainable
+from .finetune import TrainedWatch, apply_trainable
 from .autocast_policy import CudaAutocastPolicy
 from .building import (
     FAKE_ERRORS,
@@ -41,20 +39,19 @@ from .building import (
 )
 from .low_bit import prepare_low_bit
 from .optimizers import in_backward, optimizer_factory, target_optimizer_kwargs
-from .workspaces import WithWorkspaces, Workspaces, workspaces_for
+from .workspaces import WithWorkspaces, workspaces_for
 from .parallel import fsdp_units, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
 from .quantized_kernels import QuantizedKernels
 from .quantized_layers import follow_cuda
+from .result import Estimate
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
-from ..core.results import Breakdown
 from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
 from ..tracking.scope import MemoryScope, tracker_alongside_note
 from .step import run_step
-from .tasks import CacheRecord, check_generator, run_generate, run_inference, sized_batch, task_lines, task_notes
+from .tasks import CacheRecord, check_generator, run_generate, run_inference, sized_batch, task_notes
 from .userstep import (
-    BUILT_IN,
     AlwaysSteppingScaler,
     fake_error_message,
     real_tensor_message,
@@ -67,181 +64,6 @@ from ..tracking.tracker import Tracker
 from ..core.units import format_bytes
 
 __all__ = ["estimate", "estimate_plan", "Estimate", "Plan", "PRECISIONS", "OPTIMIZERS", "MODES", "repeated_blocks"]
-
-#: Memory outside PyTorch's tensors, listed beside an estimate and never added
-#: to it: (what, bytes, why). DESIGN.md; c10/cuda/CUDACachingAllocator.cpp.
-OVERHEADS = (
-    ("CUDA context", 512 * 1024**2, "300-700 MiB per process depending on GPU and CUDA version; outside PyTorch's allocator"),
-    ("cuBLAS workspace", 8 * 1024**2, "per cuBLAS handle through the caching allocator; 32 MiB on Hopper (H100, H200)"),
-)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """What a training step would allocate, from a run on fake tensors.
-
-    ``first_step`` is the first optimizer step's peak (no optimizer state
-    before it), ``steady`` a later step's (the state exists); ``peak`` the
-    larger. Bytes are CUDA-rounded allocated bytes of PyTorch tensors; the
-    fixed overheads are listed separately in ``overheads``.
-
-    Returned by :func:`estimate` (also for ``mode="tracked"`` and
-    ``"measured"`` runs, which say so in ``mode``), one per rank by
-    :func:`nbmem.launch`, one per configuration in :func:`nbmem.sweep`.
-    ``fits`` compares with the capacity given as ``device``; ``breakdown``
-    says what the memory at the peak was for; ``print()`` shows a report.
-
-    >>> build = lambda: nn.Linear(256, 256)
-    >>> make = lambda n: torch.randn(n, 256)
-    >>> result = estimate(build, make, batch_size=32, optimizer="sgd", device="1GiB")
-    >>> result.parameters, result.peak == max(result.first_step, result.steady), result.fits
-    (65792, True, True)
-    >>> result.breakdown.category("parameter")   # (256 * 256 + 256) * 4 bytes, in 512 B blocks
-    263168
-    """
-
-    batch_size: int
-    accumulation: int
-    precision: str
-    optimizer: str
-    checkpointing: str
-    parameters: int
-    first_step: int
-    steady: int
-    breakdown: Breakdown
-    #: The simulated caching allocator's reserved peak (see nbmem.core.allocator).
-    reserved: int | None = None
-    #: With a capacity: the first segment the simulated allocator could not
-    #: reserve even after releasing its cache (None: every reservation fit).
-    reserve_failed: int | None = None
-    capacity: int | None = None
-    capacity_label: str = ""
-    mode: str = "estimated"
-    #: Where the step ran: "cpu" for fake tensors and tracked runs, "cuda:N" when measured.
-    device: str = "cpu"
-    #: The data-parallel strategy (nbmem.estimation.parallel.STRATEGIES) and its GPUs; figures are per GPU (rank 0).
-    parallel: str = "single"
-    world_size: int = 1
-    #: Which rank's view (ranks can differ a little: uneven shards, ZeRO's partition).
-    rank: int = 0
-    notes: tuple[str, ...] = ()
-    #: Which training step ran: nbmem's built-in one (nbmem.estimation.step) or the user's (estimate(step=...)).
-    step: str = BUILT_IN
-    #: With trainable=: what trained and its own bytes (nbmem.estimation.finetune.Trained); None: the model as it came.
-    trained: Trained | None = None
-    overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
-    #: What ran (nbmem.estimation.tasks): "train", "inference" or "generate"; the context length and tokens generated.
-    task: str = "train"
-    prompt_length: int | None = None
-    new_tokens: int | None = None
-    #: generate: the KV cache's bytes at the end, and per token of context (the whole batch's), unrounded.
-    kv_cache: int | None = None
-    kv_cache_per_token: int | None = None
-    #: The knobs as asked for (nbmem.estimation.plan.Plan); the fields above say what they resolved to.
-    plan: Plan | None = field(default=None, repr=False, compare=False)
-    #: With estimate(timeline=True): the whole run (model built, then each step), for .to_snapshot() and plotting.
-    timeline: Any = field(default=None, repr=False, compare=False)
-    #: The simulated reserved peak with the cuBLAS workspaces the step's threads add (``workspaces``); None measured.
-    reserved_with_workspaces: int | None = None
-    workspaces: Workspaces | None = field(default=None, compare=False)
-    #: A paged optimizer's state in CUDA managed memory, outside the allocator (nbmem.estimation.low_bit); None: none.
-    managed: int | None = None
-
-    def to_snapshot(self, path: str) -> None:
-        """Write the estimated run as a PyTorch memory snapshot (pytorch.org/memory_viz, ``nbmem.load_snapshot``).
-
-        Needs ``estimate(..., timeline=True)``. The segments are the allocator
-        simulation's under the estimate's allocator settings (``alloc_conf``).
-        """
-        if self.timeline is None:
-            raise ValueError("to_snapshot needs the run's allocations, which only a timeline keeps: "
-                             "estimate(..., timeline=True)")
-        from ..core.snapshot_export import snapshot_of, write_snapshot
-
-        source = {"mode": self.mode, "device": self.device, "label": self.plan.describe() if self.plan else ""}
-        settings = self.plan.allocator if self.plan is not None else None
-        write_snapshot(snapshot_of(self.timeline.events, 0, source, settings), path)
-
-    @property
-    def peak(self) -> int:
-        return max(self.first_step, self.steady)
-
-    @property
-    def effective_batch(self) -> int:
-        """Samples per optimizer step on one GPU: the micro-batch times the accumulation steps."""
-        return self.batch_size * self.accumulation
-
-    @property
-    def global_batch(self) -> int:
-        """Samples per optimizer step across all GPUs."""
-        return self.effective_batch * self.world_size
-
-    @property
-    def fits(self) -> bool | None:
-        """Whether the step fits the capacity (None without one): its allocated peak, and every
-        segment the simulated allocator reserved (after releasing its cache). Overheads not included."""
-        if self.capacity is None:
-            return None
-        return self.peak + (self.managed or 0) <= self.capacity and self.reserve_failed is None
-
-    def __str__(self) -> str:
-        accumulate = f" x {self.accumulation} micro-batches = {self.effective_batch}" if self.accumulation > 1 else ""
-        how = {
-            "estimated": "estimate (estimated on fake tensors, no data, nothing allocated)",
-            "tracked": f"step (tracked: run for real on the {self.device}, every tensor accounted)",
-            "measured": f"step (measured: run for real on {self.device}, CUDA's caching allocator)",
-        }[self.mode]
-        scale = (
-            f", {self.parallel} on {self.world_size} GPUs (figures per GPU, rank {self.rank}; global batch {self.global_batch})"
-            if self.parallel != "single"
-            else ""
-        )
-        lines = [
-            f"gpumem {how}: "
-            f"batch {self.batch_size}{accumulate}, {self.precision}, {self.optimizer}, checkpointing {self.checkpointing}"
-            f"{scale}",
-            f"  parameters       {self.parameters:,}",
-            f"  first step peak  {format_bytes(self.first_step)} allocated (no optimizer state yet)",
-            f"  steady peak      {format_bytes(self.steady)} allocated (from the second step on)",
-            f"  step             {self.step}",
-        ] if self.task == "train" else task_lines(self)
-        if self.reserved is not None:
-            source = "measured" if self.mode == "measured" else "simulated caching allocator"
-            lines.append(
-                f"  reserved peak    {format_bytes(self.reserved)} ({source}: cached blocks and "
-                "segment tails included; roughly what nvidia-smi shows, less the CUDA context)"
-            )
-        if self.reserved_with_workspaces is not None and self.workspaces is not None:
-            lines.append(f"  with workspaces  {format_bytes(self.reserved_with_workspaces)} reserved, with "
-                         f"{self.workspaces.describe()}")
-        if self.managed is not None:
-            lines.append(f"  managed memory   {format_bytes(self.managed)} (paged optimizer state in CUDA managed memory, "
-                         "outside PyTorch's allocator and the figures above; counted against the device)")
-        if self.capacity is not None:
-            verdict = "fits" if self.fits else "does NOT fit"
-            why = (
-                f"; the allocator could not reserve a {format_bytes(self.reserve_failed)} segment even after "
-                "releasing its cache"
-                if self.reserve_failed is not None
-                else ""
-            )
-            lines.append(
-                f"  on {self.capacity_label or format_bytes(self.capacity)}  {verdict}: {format_bytes(self.peak)} of "
-                f"{format_bytes(self.capacity)} ({self.peak / self.capacity:.0%}) allocated"
-                f"{f' + {format_bytes(self.managed)} managed' if self.managed else ''}{why}; before the fixed overheads below"
-            )
-        lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
-        lines += [f"  {name:<15}  {text}" for name, text in (self.trained.rows(self.mode) if self.trained else [])]
-        lines += [f"  not included: {name} about {format_bytes(size)} ({why})" for name, size, why in self.overheads]
-        lines += [f"  note: {note}" for note in self.notes]
-        return "\n".join(lines)
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
-
-    def _repr_html_(self) -> str:
-        return f"<pre class='nbmem-estimate' style='font-size:12px'>{html.escape(str(self))}</pre>"
-
 
 def estimate(
     model: nn.Module | Callable[[], nn.Module],
@@ -334,6 +156,13 @@ def estimate(
     (the default) leaves the model as it comes. Frozen parameters get no
     gradient and no optimizer state; the result's ``trained`` gives the
     trained parameters' own bytes.
+
+    ``quantization`` quantizes the linear layers as a quantized load does
+    (:mod:`nbmem.estimation.quantization`): ``"nf4"``, ``"fp4"``, ``"int8"``
+    or a ``BitsAndBytesConfig`` with bitsandbytes' own functions, or a torchao
+    weight config with torchao's ``quantize_``; ``optimizer`` also takes
+    Hugging Face's ``optim`` names, bitsandbytes' ``"paged_adamw_8bit"`` and
+    the others (:mod:`nbmem.estimation.low_bit`).
 
     ``precision="bf16"``/``"fp16"`` autocast follows CUDA's op lists
     (``autocast_policy="cuda"``, :mod:`nbmem.estimation.autocast_policy`), also in a
@@ -431,7 +260,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         with group as mesh, without_onednn(), outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             if plan.quantized is not None:
-                target_rules.enter_context(code_maps(fake_mode, run_on))
+                if plan.quantized.library == "bitsandbytes":
+                    target_rules.enter_context(code_maps(fake_mode, run_on))
                 network = prepare_quantized(network, plan.quantized, plan.trains and trainable is not None, notes,
                                             as_built=plan.trains and trainable is None and step is None)
             assert whole.tracker is not None  # every mode here tracks: tracked, or measured with breakdown=True

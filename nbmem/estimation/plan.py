@@ -38,7 +38,7 @@ from .selective import check_saves, saves_label
 from .step import ZERO_GRAD
 from .finetune import check_trainable, trainable_label
 from .parallel import check_mp_policy, check_parallel, per_device_batch
-from .quantization import Quantization, require_bitsandbytes
+from .quantization import Quantization, require_library
 from .optimizers import OPTIMIZERS, known_optimizer, optimizer_names
 from .tasks import check_task
 from .userstep import check_step, step_name
@@ -184,7 +184,16 @@ class Plan:
         object.__setattr__(self, "quantized", quantized)
         if quantized is None:
             return
-        require_bitsandbytes("quantization=")
+        require_library(quantized.library, "quantization=")
+        name = type(quantized.config).__name__
+        if name.startswith("Float8DynamicActivation") and self.device is not None:
+            from ..core.devices import COMPUTE_CAPABILITY, parse_capacity
+
+            capability = COMPUTE_CAPABILITY.get(parse_capacity(self.device)[1])
+            if capability is not None and capability < (8, 9):
+                raise ValueError(f"torchao's {name} multiplies in float8, which needs compute capability 8.9 or "
+                                 f"more (Ada, Hopper), and the {self.device} has {capability[0]}.{capability[1]}: "
+                                 "use a weight-only config there (Float8WeightOnlyConfig, Int8WeightOnlyConfig)")
         if self.parallel != "single":
             raise ValueError(f"quantization= with parallel={self.parallel!r} is not estimated yet (FSDP's QLoRA "
                              "shards 4-bit weights stored as bf16): leave one of them out")

@@ -19,7 +19,10 @@ plain fake Parameter carrying the same attributes (``quant_state``,
 
 ``quantization=`` takes ``"nf4"`` and ``"fp4"`` (QLoRA's recipe: double
 quantization, bf16 compute), ``"int8"`` (LLM.int8()), a transformers
-``BitsAndBytesConfig``, or a :class:`Quantization`. When something trains
+``BitsAndBytesConfig``, or a :class:`Quantization`; or a torchao weight
+config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``), which
+torchao's own ``quantize_`` applies to the same layers (its tensor
+subclasses run on fake tensors as they are). When something trains
 (``trainable=``), peft's ``prepare_model_for_kbit_training`` casts come
 first, as the QLoRA recipe runs them: every parameter frozen, every fp16 or
 bf16 parameter that is not a 4-bit weight cast to fp32
@@ -37,15 +40,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import importlib.util
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "SHORTHANDS", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
+__all__ = ["Quantization", "SHORTHANDS", "require_library", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
 
 #: The names ``quantization=`` takes as strings.
 SHORTHANDS = ("nf4", "fp4", "int8")
@@ -57,15 +61,35 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 
 def require_bitsandbytes(what: str) -> None:
     """Raise ValueError, naming the extra, when bitsandbytes is not installed."""
-    if importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError(f"{what} needs bitsandbytes, an optional extra: pip install 'nbmem[quant]'")
+    require_library("bitsandbytes", what)
+
+
+def require_library(library: str, what: str) -> None:
+    """Raise ValueError, naming the extra, when ``library`` (bitsandbytes, torchao) is not installed."""
+    if importlib.util.find_spec(library) is None:
+        raise ValueError(f"{what} needs {library}, an optional extra: pip install 'nbmem[quant]'")
+
+
+def _torchao(model: nn.Module, config: Any, skip: list[str] | None) -> None:
+    """torchao's ``quantize_`` on the linear layers transformers' loader would quantize (TorchAoConfig's)."""
+    quantize_ = importlib.import_module("torchao.quantization").quantize_
+    try:
+        quantize_(model, config, filter_fn=lambda module, name: _quantizable(module) and _converted(name, skip))
+    except ImportError as error:  # a config whose kernels live in a package of their own (Int4WeightOnlyConfig: mslk)
+        raise ValueError(
+            f"torchao's {type(config).__name__} needs a kernel package torchao could not import ({error}): install "
+            "it, or use Int8WeightOnlyConfig() or Float8WeightOnlyConfig(), or bitsandbytes' quantization='nf4'"
+        ) from error
 
 
 @dataclass(frozen=True)
 class Quantization:
     """How the linear layers are quantized, in BitsAndBytesConfig's terms.
 
-    ``method`` is ``"nf4"``, ``"fp4"`` or ``"int8"``; ``double_quant`` and
+    ``method`` is ``"nf4"``, ``"fp4"`` or ``"int8"`` (bitsandbytes), or
+    ``"torchao"`` with ``config`` a torchao weight config
+    (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``, ...), applied
+    with torchao's own ``quantize_``; ``double_quant`` and
     ``compute_dtype``, ``quant_storage`` and ``blocksize`` are 4-bit's
     (``bnb_4bit_use_double_quant``, ...); ``skip`` names modules left
     unquantized (``llm_int8_skip_modules``; None: transformers' default,
@@ -89,10 +113,15 @@ class Quantization:
     skip: tuple[str, ...] | None = None
     threshold: float = 0.0
     kbit_casts: bool = True
+    #: torchao's config, for method "torchao".
+    config: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.method not in SHORTHANDS:
-            raise ValueError(f"unknown quantization method {self.method!r}: use one of {', '.join(SHORTHANDS)}")
+        if self.method not in (*SHORTHANDS, "torchao"):
+            raise ValueError(f"unknown quantization method {self.method!r}: use one of {', '.join(SHORTHANDS)}, "
+                             "or pass a torchao config")
+        if (self.method == "torchao") != (self.config is not None):
+            raise ValueError("a torchao quantization needs its config: pass the config itself as quantization=")
         for name in ("compute_dtype", "quant_storage"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -117,8 +146,10 @@ class Quantization:
             return cls(value)
         if type(value).__name__ == "BitsAndBytesConfig":
             return cls._of_config(value)
-        raise ValueError(f"quantization= takes {', '.join(map(repr, SHORTHANDS))}, a transformers BitsAndBytesConfig "
-                         f"or nbmem.Quantization(...), got {type(value).__name__}")
+        if type(value).__module__.startswith("torchao.") and type(value).__name__.endswith("Config"):
+            return cls("torchao", config=value)
+        raise ValueError(f"quantization= takes {', '.join(map(repr, SHORTHANDS))}, a transformers BitsAndBytesConfig, "
+                         f"a torchao config or nbmem.Quantization(...), got {type(value).__name__}")
 
     @classmethod
     def _of_config(cls, config: Any) -> Quantization:
@@ -139,7 +170,13 @@ class Quantization:
         return 8 if self.method == "int8" else 4
 
     @property
+    def library(self) -> str:
+        return "torchao" if self.method == "torchao" else "bitsandbytes"
+
+    @property
     def label(self) -> str:
+        if self.method == "torchao":
+            return f"torchao {type(self.config).__name__}"
         if self.method == "int8":
             return "int8 (LLM.int8())"
         parts = [self.method, "double quant" if self.double_quant else "no double quant",
@@ -189,9 +226,7 @@ def quantize_model(model: nn.Module, quantization: Quantization, notes: list[str
     ...     print("Linear4bit (4096, 1) torch.uint8")
     Linear4bit (4096, 1) torch.uint8
     """
-    require_bitsandbytes("quantization=")
-    from .quantized_layers import quantized_layer
-
+    require_library(quantization.library, "quantization=")
     skip = _skipped(model, quantization)
     targets = [(name, module) for name, module in model.named_modules() if _quantizable(module)
                and _converted(name, skip)]
@@ -203,14 +238,20 @@ def quantize_model(model: nn.Module, quantization: Quantization, notes: list[str
                f"all {linear} of the model's are left unquantized (skip={list(skip or [])})")
             + ": pass a model built from nn.Linear layers (a transformer), or leave quantization out"
         )
-    for name, module in targets:
-        _set_submodule(model, name, quantized_layer(module, quantization))
-    # what peft and transformers read (peft chooses its bnb LoRA layers by it)
-    setattr(model, "is_loaded_in_4bit" if quantization.bits == 4 else "is_loaded_in_8bit", True)
+    if quantization.method == "torchao":
+        _torchao(model, quantization.config, skip)
+    else:
+        from .quantized_layers import quantized_layer
+
+        for name, module in targets:
+            _set_submodule(model, name, quantized_layer(module, quantization))
+        # what peft and transformers read (peft chooses its bnb LoRA layers by it)
+        setattr(model, "is_loaded_in_4bit" if quantization.bits == 4 else "is_loaded_in_8bit", True)
     skipped = sorted(name for name, module in model.named_modules() if _quantizable(module) and not _converted(name, skip))
     notes.append(
-        f"quantization: {len(targets)} linear layers quantized to {quantization.label} by bitsandbytes' own functions "
-        f"(as from_pretrained with a BitsAndBytesConfig); left as they were: "
+        f"quantization: {len(targets)} linear layers quantized to {quantization.label} by {quantization.library}'s own "
+        f"functions (as from_pretrained with a {'TorchAoConfig' if quantization.method == 'torchao' else 'BitsAndBytesConfig'}"
+        "); left as they were: "
         f"{', '.join(skipped[:4]) + (' ...' if len(skipped) > 4 else '') if skipped else 'none'}, and every other layer"
     )
     if quantization.method == "int8":
@@ -232,12 +273,12 @@ def prepare_quantized(model: nn.Module, quantization: Quantization, trains: bool
     model = quantize_model(model, quantization, notes)
     if as_built and not any(parameter.requires_grad for parameter in model.parameters()):
         raise ValueError(
-            f"quantization={quantization.method!r} left nothing to train: bitsandbytes' quantized weights are frozen, "
+            f"quantization={quantization.label!r} left nothing to train: quantized weights are frozen, "
             "and the model has no other parameter that trains. Pass trainable='lora' (QLoRA) or a peft config, or "
             "leave some layers unquantized with nbmem.Quantization(..., skip=[their names])"
         )
     if trains and quantization.kbit_casts:
-        kbit_casts(model, notes)
+        kbit_casts(model, notes, cast=quantization.method != "torchao")
     return model
 
 
@@ -302,24 +343,29 @@ def state_tensors(weight: torch.Tensor) -> Iterator[torch.Tensor]:
         yield scales
 
 
-def kbit_casts(model: nn.Module, notes: list[str]) -> None:
+def kbit_casts(model: nn.Module, notes: list[str], cast: bool = True) -> None:
     """peft's ``prepare_model_for_kbit_training`` casts (peft/utils/other.py), on nbmem's copy.
 
     Every parameter frozen; every fp16/bf16 one that is not a 4-bit weight
     cast to fp32 (``param.data = param.data.to(torch.float32)``, as peft
     does). Its other steps are nbmem's own knobs: gradient checkpointing is
-    ``checkpointing=``; ``enable_input_require_grads`` adds no tensor.
+    ``checkpointing=``; ``enable_input_require_grads`` adds no tensor. A
+    torchao model is frozen, not cast (``cast=False``), as peft does.
     """
-    cast = 0
     for parameter in model.parameters():
         parameter.requires_grad_(False)
+    if not cast:  # peft casts nothing for a torchao model
+        notes.append("peft's prepare_model_for_kbit_training: every parameter frozen before the adapters (no casts to "
+                     "fp32 for a torchao model, as peft does)")
+        return
+    widened = 0
     for parameter in model.parameters():
         if parameter.dtype in (torch.float16, torch.bfloat16) and not _is_4bit(parameter):
             parameter.data = parameter.data.to(torch.float32)
-            cast += parameter.numel()
+            widened += parameter.numel()
     notes.append("peft's prepare_model_for_kbit_training casts: every parameter frozen before the adapters, and "
-                 + (f"{cast:,} fp16/bf16 parameters (norms, embeddings, the output layer) cast to fp32; "
-                    "Quantization(..., kbit_casts=False) leaves them" if cast else
+                 + (f"{widened:,} fp16/bf16 parameters (norms, embeddings, the output layer) cast to fp32; "
+                    "Quantization(..., kbit_casts=False) leaves them" if widened else
                     "nothing to cast to fp32: the parameters left unquantized are fp32 already (a model loaded in "
                     "bf16 would have its norms, embeddings and output layer cast)"))
 

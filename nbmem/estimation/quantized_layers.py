@@ -17,13 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .quantization import Quantization
-
 __all__ = ["quantized_layer", "follow_cuda"]
 
 
-def quantized_layer(module: nn.Module, quantization: Quantization) -> nn.Module:
-    """The bitsandbytes layer that replaces ``module`` (an ``nn.Linear``, or transformers' ``Conv1D``)."""
+def quantized_layer(module: nn.Module, quantization: Any) -> nn.Module:
+    """The bitsandbytes layer that replaces ``module`` (an ``nn.Linear``, or transformers' ``Conv1D``).
+
+    ``quantization`` is a :class:`nbmem.estimation.quantization.Quantization` (read for its settings only: that
+    module imports this one).
+    """
     from torch.utils._python_dispatch import _disable_current_modes
 
     bnb = _bitsandbytes()
@@ -75,7 +77,7 @@ def _bitsandbytes() -> Any:
     return importlib.import_module("bitsandbytes")
 
 
-def _4bit_weight(weight: torch.Tensor, layer: Any, quantization: Quantization) -> torch.Tensor:
+def _4bit_weight(weight: torch.Tensor, layer: Any, quantization: Any) -> torch.Tensor:
     bnb = _bitsandbytes()
 
     # bitsandbytes' Params4bit._quantize, on the weight as loaded
