@@ -366,3 +366,26 @@ def test_torchao_configs_that_cant_run_say_why(torchao):
                            quantization=torchao.Int4WeightOnlyConfig())
     assert nbmem.estimate(bf16_llama, causal_lm_batch, batch_size=1, trainable="lora",
                           quantization=torchao.Int8WeightOnlyConfig()).peak > 0  # the session goes on
+
+
+@pytest.fixture()
+def forget_compiled_code():
+    """torchao's compiled step ran here: later tests' "auto" scopes must not pick the native engine for it."""
+    from nbmem.tracking import compiled
+
+    yield
+    compiled._seen = False
+
+
+@pytest.mark.parametrize("name", ["adamw_torch_8bit", "adamw_torch_4bit"])
+def test_torchao_low_bit_adamw_state_estimated_as_a_tracked_run_makes_it(torchao, forget_compiled_code, name):
+    figures = {}
+    for mode in ("estimated", "tracked"):
+        result = nbmem.estimate(linear, features, batch_size=4, optimizer=name, mode=mode)
+        figures[mode] = result.breakdown.category("optimizer state")
+        assert any(note.startswith(f"optimizer: torchao AdamW{name[-4:-3]}bit") and "runs it eagerly" in note
+                   for note in result.notes)
+    assert figures["estimated"] == figures["tracked"]
+    # 4,239,368 parameters: fp32 AdamW would keep 2 x 4 bytes of each; 8-bit about 2 x 1, 4-bit about 2 x 0.5
+    full = nbmem.estimate(linear, features, batch_size=4, optimizer="adamw").breakdown.category("optimizer state")
+    assert full / figures["estimated"] > (3.9 if name.endswith("8bit") else 7.5)

@@ -37,7 +37,7 @@ from .building import (
     repeated_blocks,
     without_onednn,
 )
-from .low_bit import prepare_low_bit
+from .low_bit import TORCHAO_OPTIM, prepare_low_bit
 from .optimizers import in_backward, optimizer_factory, target_optimizer_kwargs
 from .workspaces import WithWorkspaces, workspaces_for
 from .parallel import fsdp_units, parallelize, process_group
@@ -321,7 +321,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             for rule in (policy, attention, kernels):  # CUDA's autocast lists, attention and bitsandbytes kernels
                 if rule is not None:
                     target_rules.enter_context(rule)
-            if fake_mode is not None:
+            if fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM):  # a tracked torchao optimizer too
                 # torch.compile'd code runs its own Python: Dynamo would compile under FakeTensorMode (an infra
                 # mode) and inductor's kernels would then read fake tensors' memory (a dead process, issue 23).
                 # Entered here, after the model factory ran: a factory may be what first loads Dynamo.

@@ -1,4 +1,4 @@
-"""bitsandbytes' 8-bit and paged optimizers, by the names Hugging Face's ``TrainingArguments.optim`` gives them.
+"""bitsandbytes' 8-bit and paged optimizers and torchao's low-bit AdamW, by Hugging Face's ``optim`` names for them.
 
 ``optimizer="paged_adamw_8bit"`` builds ``bitsandbytes.optim.AdamW(...,
 optim_bits=8, is_paged=True)``, as transformers' Trainer does
@@ -19,6 +19,12 @@ adds their bytes up as :class:`ManagedMemory`, which the estimate shows
 beside the allocated figures and counts against the device. A tracked run
 on a CPU follows bitsandbytes' CPU fallback, which pages nothing.
 
+``optimizer="adamw_torch_8bit"`` (or ``"adamw_torch_4bit"``) builds torchao's
+``AdamW8bit`` (``AdamW4bit``) with the Trainer's arguments. Its step is
+``torch.compile``'d with ``fullgraph=True``, which can't run under a dispatch
+mode: an estimate runs it eagerly (as every compiled call), and so does a
+tracked run with it, which says so.
+
 >>> LOW_BIT["paged_adamw_8bit"]
 ('AdamW', 8, True)
 """
@@ -27,14 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["LOW_BIT", "ManagedMemory", "low_bit_factory", "prepare_low_bit", "PAGED_MIN_ELEMENTS"]
+__all__ = ["LOW_BIT", "TORCHAO_OPTIM", "torchao_note", "ManagedMemory", "low_bit_factory", "prepare_low_bit", "PAGED_MIN_ELEMENTS"]
 
 #: Hugging Face's optim names for bitsandbytes' optimizers: (bitsandbytes class, state bits, paged).
 LOW_BIT: dict[str, tuple[str, int, bool]] = {
@@ -49,6 +54,9 @@ LOW_BIT: dict[str, tuple[str, int, bool]] = {
     "paged_lion_32bit": ("Lion", 32, True),
 }
 
+#: Hugging Face's optim names for torchao's low-bit AdamW (transformers' trainer_optimizer _get_torchao_optimizer).
+TORCHAO_OPTIM = {"adamw_torch_8bit": "AdamW8bit", "adamw_torch_4bit": "AdamW4bit"}
+
 #: bitsandbytes pages the state of parameters with at least this many elements (optim/optimizer.py get_state_buffer).
 PAGED_MIN_ELEMENTS = 100_000
 
@@ -62,15 +70,43 @@ class ManagedMemory:
 
 
 def low_bit_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
-    """The factory for one of :data:`LOW_BIT`'s names (bitsandbytes imported when it builds)."""
-    return functools.partial(_build, name)
+    """The factory for one of :data:`LOW_BIT`'s or :data:`TORCHAO_OPTIM`'s names (the library imported when it builds)."""
+    return functools.partial(_build_torchao if name in TORCHAO_OPTIM else _build, name)
+
+
+def _build_torchao(name: str, parameters: Any, **options: Any) -> torch.optim.Optimizer:
+    from .quantization import library_module, require_library
+
+    require_library("torchao", f"optimizer={name!r}")
+    options.pop("foreach", None)
+    optim = library_module("torchao.optim")
+    # torchao builds its code maps with .tolist() on first use and caches them (lru_cache): built here, for real
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        for bits in ("4bit", "8bit"):
+            states = library_module(f"torchao.optim.subclass_{bits}")
+            states.get_qmap_signed(), states.get_qmap_unsigned()
+    # the Trainer's arguments: blocks of 256, no bf16 stochastic rounding
+    optimizer: torch.optim.Optimizer = getattr(optim, TORCHAO_OPTIM[name])(parameters, block_size=256,
+                                                                            bf16_stochastic_round=False, **options)
+    return optimizer
+
+
+def torchao_note(name: str) -> str:
+    """What an estimate with torchao's low-bit AdamW assumed."""
+    bits = 8 if name.endswith("8bit") else 4
+    return (f"optimizer: torchao {TORCHAO_OPTIM[name]}, {bits}-bit state (codes and an fp32 scale per 256 values for "
+            "parameters of 4,096 elements or more, fp32 below); its step is torch.compile'd (fullgraph), which a "
+            "dispatch mode can't run: nbmem runs it eagerly, so the state is exact and the step's temporaries are "
+            "eager's, at most what the compiled kernel holds (untested on CUDA)")
 
 
 def _build(name: str, parameters: Any, **options: Any) -> torch.optim.Optimizer:
-    from .quantization import require_bitsandbytes
+    from .quantization import library_module, require_bitsandbytes
 
     require_bitsandbytes(f"optimizer={name!r}")
-    bnb: Any = importlib.import_module("bitsandbytes")  # untyped: built as transformers' Trainer builds it
+    bnb = library_module("bitsandbytes")  # untyped: built as transformers' Trainer builds it
 
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.utils._python_dispatch import _disable_current_modes

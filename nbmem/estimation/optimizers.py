@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import torch
 
-from .low_bit import LOW_BIT, low_bit_factory
+from .low_bit import LOW_BIT, TORCHAO_OPTIM, low_bit_factory, torchao_note
 
 __all__ = ["OPTIMIZERS", "HF_OPTIM", "known_optimizer", "optimizer_names", "optimizer_factory",
            "target_optimizer_kwargs", "OptimizerInBackward", "in_backward"]
@@ -49,13 +49,13 @@ HF_OPTIM: dict[str, str | Callable[..., Any]] = {
 
 def known_optimizer(name: str) -> bool:
     """Whether ``optimizer=name`` is one nbmem builds."""
-    return name in OPTIMIZERS or name in HF_OPTIM or name in LOW_BIT
+    return name in OPTIMIZERS or name in HF_OPTIM or name in LOW_BIT or name in TORCHAO_OPTIM
 
 
 def optimizer_names() -> str:
     """Every name ``optimizer=`` takes, for an error message."""
     return (f"{', '.join(OPTIMIZERS)}; Hugging Face's optim names {', '.join(n for n in HF_OPTIM if n not in OPTIMIZERS)}"
-            f", and bitsandbytes' {', '.join(LOW_BIT)}")
+            f", bitsandbytes' {', '.join(LOW_BIT)}, and torchao's {', '.join(TORCHAO_OPTIM)}")
 
 
 def _canonical(name: str) -> str | Callable[..., Any]:
@@ -68,7 +68,7 @@ def optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | No
         return lambda parameters, **kwargs: None
     if not isinstance(optimizer, str):
         return optimizer
-    if optimizer in LOW_BIT:
+    if optimizer in LOW_BIT or optimizer in TORCHAO_OPTIM:
         return low_bit_factory(optimizer)
     named = _canonical(optimizer)
     return OPTIMIZERS[named] if isinstance(named, str) else named
@@ -94,6 +94,9 @@ def target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, not
         return {}
     if not isinstance(optimizer, str):
         notes.append("optimizer: your factory's own defaults (built-in optimizers default to foreach on CUDA)")
+        return {}
+    if optimizer in TORCHAO_OPTIM:
+        notes.append(torchao_note(optimizer))
         return {}
     if optimizer in LOW_BIT or not isinstance(_canonical(optimizer), str):
         return {}  # bitsandbytes' (nbmem.estimation.low_bit says which) and Adafactor: one implementation each

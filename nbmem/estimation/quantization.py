@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "SHORTHANDS", "require_library", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
+__all__ = ["Quantization", "SHORTHANDS", "require_library", "library_module", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
 
 #: The names ``quantization=`` takes as strings.
 SHORTHANDS = ("nf4", "fp4", "int8")
@@ -64,6 +64,19 @@ def require_bitsandbytes(what: str) -> None:
     require_library("bitsandbytes", what)
 
 
+def library_module(name: str) -> Any:
+    """Import ``name`` (of bitsandbytes or torchao) outside every dispatch mode, untyped.
+
+    A library first imported inside an estimate's fake mode would keep fake
+    tensors as its module-level constants (torchao's code maps), which later
+    steps then read with ``.tolist()``.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return importlib.import_module(name)
+
+
 def require_library(library: str, what: str) -> None:
     """Raise ValueError, naming the extra, when ``library`` (bitsandbytes, torchao) is not installed."""
     if importlib.util.find_spec(library) is None:
@@ -72,7 +85,7 @@ def require_library(library: str, what: str) -> None:
 
 def _torchao(model: nn.Module, config: Any, skip: list[str] | None) -> None:
     """torchao's ``quantize_`` on the linear layers transformers' loader would quantize (TorchAoConfig's)."""
-    quantize_ = importlib.import_module("torchao.quantization").quantize_
+    quantize_ = library_module("torchao.quantization").quantize_
     try:
         quantize_(model, config, filter_fn=lambda module, name: _quantizable(module) and _converted(name, skip))
     except ImportError as error:  # a config whose kernels live in a package of their own (Int4WeightOnlyConfig: mslk)

@@ -11,7 +11,6 @@ quantized tensor, and its bias the old layer's own.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
@@ -74,7 +73,9 @@ def _fake(tensor: torch.Tensor) -> bool:
 
 def _bitsandbytes() -> Any:
     """bitsandbytes, untyped: its classes are read and built as transformers does, not checked here."""
-    return importlib.import_module("bitsandbytes")
+    from .quantization import library_module  # lazily: that module imports this one
+
+    return library_module("bitsandbytes")
 
 
 def _4bit_weight(weight: torch.Tensor, layer: Any, quantization: Any) -> torch.Tensor:

@@ -29,15 +29,15 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..estimation.estimate import Estimate, estimate
-from ..estimation.low_bit import LOW_BIT
+from ..estimation.low_bit import LOW_BIT, TORCHAO_OPTIM
 from ..estimation.optimizers import HF_OPTIM
 from ..estimation.userstep import estimating
 
 __all__ = ["estimate_trainer", "knobs_from_training_arguments", "TrainingKnobs", "OPTIM"]
 
 #: Hugging Face's ``optim`` names nbmem estimates, and the optimizer each means (the others are not understood yet:
-#: torchao's low-bit optimizers, GaLore, LOMO, schedule-free). bitsandbytes' keep their own names.
-OPTIM: dict[str, Any] = {**HF_OPTIM, **{name: name for name in LOW_BIT}}
+#: GaLore, LOMO, schedule-free). bitsandbytes' and torchao's keep their own names.
+OPTIM: dict[str, Any] = {**HF_OPTIM, **{name: name for name in (*LOW_BIT, *TORCHAO_OPTIM)}}
 
 # FSDP options (transformers' FSDPOption) and what each is here
 _FSDP = {"full_shard": "fsdp", "shard_grad_op": "fsdp-no-reshard"}
@@ -94,6 +94,8 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
             read.append(f"optim={optim!r}: " + ("transformers' Adafactor with the Trainer's arguments"
                                                 if optim == "adafactor" else
                                                 "bitsandbytes' own optimizer, as the Trainer builds it" if optim in LOW_BIT
+                                                else "torchao's own optimizer, as the Trainer builds it"
+                                                if optim in TORCHAO_OPTIM
                                                 else repr(OPTIM[optim])))
     else:
         unknown.append(f"optim={optim!r} (nbmem estimates {', '.join(OPTIM)})")
