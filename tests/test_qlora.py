@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 
 import pytest
 import torch
@@ -389,3 +390,28 @@ def test_torchao_low_bit_adamw_state_estimated_as_a_tracked_run_makes_it(torchao
     # 4,239,368 parameters: fp32 AdamW would keep 2 x 4 bytes of each; 8-bit about 2 x 1, 4-bit about 2 x 0.5
     full = nbmem.estimate(linear, features, batch_size=4, optimizer="adamw").breakdown.category("optimizer state")
     assert full / figures["estimated"] > (3.9 if name.endswith("8bit") else 7.5)
+
+
+def test_around_a_real_4bit_layer_the_native_engine_sees_what_bitsandbytes_cpu_kernel_allocates_inside():
+    import bitsandbytes as bnb
+
+    from nbmem.tracking.native import available
+
+    if not available() and not os.environ.get("NBMEM_REQUIRE_NATIVE"):
+        pytest.skip("the native engine needs a C++ compiler (CI has one)")
+
+    layer = bnb.nn.Linear4bit(256, 1024, bias=False, quant_type="nf4", compute_dtype=torch.bfloat16).to("cpu")
+    layer.train()  # in eval mode bitsandbytes would repack the weight for AVX-512 first
+    inputs = torch.randn(64, 256, dtype=torch.bfloat16)
+    peaks = {}
+    with torch.no_grad():
+        layer(inputs)
+        for engine in ("dispatch", "native"):
+            with nbmem.track(engine=engine) as tracked:
+                layer(inputs)
+            peaks[engine] = tracked.result.peak_allocated - tracked.result.allocated_before
+    # the dispatch engine sees the matmul's output only (64 x 1024 bf16); bitsandbytes' CPU kernel runs below the
+    # dispatch mode and dequantizes the weight there (1024 x 256 bf16, 524,288 B, and more), which the native engine
+    # counts from the CPU allocator
+    assert peaks["dispatch"] == 64 * 1024 * 2
+    assert peaks["native"] - peaks["dispatch"] >= 1024 * 256 * 2
