@@ -415,3 +415,45 @@ def test_around_a_real_4bit_layer_the_native_engine_sees_what_bitsandbytes_cpu_k
     # counts from the CPU allocator
     assert peaks["dispatch"] == 64 * 1024 * 2
     assert peaks["native"] - peaks["dispatch"] >= 1024 * 256 * 2
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(optimizer="adamw_8bit", optimizer_in_backward=True), "is not estimated when optimizer_in_backward=True"),
+    (dict(optimizer="paged_adamw_8bit", parallel="zero1", world_size=2), "when parallel='zero1' wraps the optimizer"),
+    (dict(optimizer="paged_adamw_8bit", mode="measured"), "never frees in this process .* 'adamw_8bit'"),
+    (dict(optimizer="adamw_8bit", foreach=False), "has one implementation, which takes no foreach"),
+    (dict(optimizer="adafactor", foreach=True), "has one implementation, which takes no foreach"),
+    (dict(optimizer="adamw_torch_fused", foreach=True), "or use 'adamw_torch' with foreach="),
+])
+def test_library_optimizers_refuse_what_they_cant_be_estimated_with(knobs, message):
+    from nbmem.estimation.plan import Plan
+
+    with pytest.raises(ValueError, match=message):
+        Plan(batch_size=4, **knobs)
+
+
+def test_an_int8_model_that_already_ran_a_forward_is_estimated_with_its_state():
+    import bitsandbytes as bnb
+
+    layer = bnb.nn.Linear8bitLt(1024, 4096, bias=False, has_fp16_weights=False, threshold=0.0)
+    layer.load_state_dict(nn.Linear(1024, 4096, bias=False).state_dict())
+    model = nn.Sequential(layer, nn.ReLU(), nn.Linear(4096, 8)).to("cpu")
+    model(torch.randn(2, 1024))  # bitsandbytes moves CB and SCB from the weight to layer.state
+    assert model[0].weight.CB is None and model[0].state.CB is not None
+    result = nbmem.estimate(model, features, batch_size=4, optimizer="sgd")
+    # the int8 weight and its fp32 row scales, then the fp32 output layer and its bias
+    assert result.breakdown.category("parameter") == 4096 * 1024 + 4096 * 4 + round_allocation(8 * 4096 * 4) + 512
+
+
+def test_quantized_weights_never_train_even_when_everything_is_asked_to():
+    from transformers import BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16, llm_int8_skip_modules=[])
+    result = nbmem.estimate(llama, causal_lm_batch, batch_size=1, trainable="all", quantization=config,
+                            optimizer="sgd")
+    # llm_int8_skip_modules=[] skips nothing, lm_head included (transformers adds its defaults only for None);
+    # what trains is what stayed in full precision: the embeddings and the norms
+    model = llama()
+    unquantized = sum(p.numel() for name, p in model.named_parameters() if "proj" not in name and "lm_head" not in name)
+    assert result.trained.parameters == unquantized
+    assert any("15 linear layers quantized" in note for note in result.notes)

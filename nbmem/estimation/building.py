@@ -114,6 +114,10 @@ def _copied(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Module
 
             for name, value in fake_quant_attributes(parameter, make, memo).items():
                 setattr(memo[id(parameter)], name, value)
+    if fake_mode is not None and any(type(module).__module__.startswith("bitsandbytes.") for module in model.modules()):
+        from .quantization import fake_layer_states
+
+        fake_layer_states(model, make, memo)
     for buffer in model.buffers():
         memo[id(buffer)] = make(buffer)
     copied: nn.Module = copy.deepcopy(model, memo)

@@ -38,7 +38,7 @@ from .building import (
     without_onednn,
 )
 from .low_bit import TORCHAO_OPTIM, prepare_low_bit
-from .optimizers import in_backward, optimizer_factory, target_optimizer_kwargs
+from .optimizers import in_backward, library_optimizer, optimizer_factory, target_optimizer_kwargs
 from .workspaces import WithWorkspaces, workspaces_for
 from .parallel import fsdp_units, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
@@ -206,7 +206,10 @@ def estimate(
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
     except (ValueError, AssertionError, RuntimeError) as error:
-        if not from_bitsandbytes(error):
+        # the words for a model the user's factory built with bitsandbytes' layers; nbmem's own quantization and
+        # bitsandbytes' optimizers run on fake tensors, and their errors speak for themselves
+        ours = plan.quantized is not None or (isinstance(plan.optimizer, str) and library_optimizer(plan.optimizer))
+        if ours or not from_bitsandbytes(error):
             raise
         raise ValueError(bitsandbytes_message(error, plan.mode)) from error
 

@@ -148,9 +148,13 @@ def apply_trainable(model: nn.Module, trainable: Any, notes: list[str]) -> nn.Mo
 
 
 def _train_only(model: nn.Module, chosen: Any) -> None:
-    """Freeze every parameter but the chosen ones; only floating-point ones can train (autograd refuses others)."""
+    """Freeze every parameter but the chosen ones; only floating-point ones can train (autograd refuses others), and
+    never a quantized weight (bitsandbytes' stored as bf16, torchao's tensor subclasses: they can't train)."""
     for parameter in model.parameters():
-        parameter.requires_grad_(bool(chosen(parameter)) and (parameter.is_floating_point() or parameter.is_complex()))
+        floating = parameter.is_floating_point() or parameter.is_complex()
+        quantized = getattr(parameter, "quant_state", None) is not None or type(parameter).__module__.startswith(
+            ("bitsandbytes.", "torchao."))
+        parameter.requires_grad_(bool(chosen(parameter)) and floating and not quantized)
 
 
 def _names_by_parameter(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:

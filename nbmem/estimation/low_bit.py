@@ -97,7 +97,8 @@ def torchao_note(name: str) -> str:
     """What an estimate with torchao's low-bit AdamW assumed."""
     bits = 8 if name.endswith("8bit") else 4
     return (f"optimizer: torchao {TORCHAO_OPTIM[name]}, {bits}-bit state (codes and an fp32 scale per 256 values for "
-            "parameters of 4,096 elements or more, fp32 below); its step is torch.compile'd (fullgraph), which a "
+            "parameters of 4,096 elements or more whose size divides into blocks of 256; others keep state in their "
+            "own dtype); its step is torch.compile'd (fullgraph), which a "
             "dispatch mode can't run: nbmem runs it eagerly, so the state is exact and the step's temporaries are "
             "eager's, at most what the compiled kernel holds (untested on CUDA)")
 

@@ -10,7 +10,7 @@ import torch
 
 from .low_bit import LOW_BIT, TORCHAO_OPTIM, low_bit_factory, torchao_note
 
-__all__ = ["OPTIMIZERS", "HF_OPTIM", "known_optimizer", "optimizer_names", "optimizer_factory",
+__all__ = ["OPTIMIZERS", "HF_OPTIM", "known_optimizer", "library_optimizer", "optimizer_names", "optimizer_factory",
            "target_optimizer_kwargs", "OptimizerInBackward", "in_backward"]
 
 #: Optimizer names and how nbmem builds them (learning rates don't change memory).
@@ -50,6 +50,11 @@ HF_OPTIM: dict[str, str | Callable[..., Any]] = {
 def known_optimizer(name: str) -> bool:
     """Whether ``optimizer=name`` is one nbmem builds."""
     return name in OPTIMIZERS or name in HF_OPTIM or name in LOW_BIT or name in TORCHAO_OPTIM
+
+
+def library_optimizer(name: str) -> bool:
+    """Whether ``optimizer=name`` is built by a library of its own: bitsandbytes, torchao, transformers (Adafactor)."""
+    return name in LOW_BIT or name in TORCHAO_OPTIM or not isinstance(_canonical(name), str)
 
 
 def optimizer_names() -> str:

@@ -39,7 +39,7 @@ from .step import ZERO_GRAD
 from .finetune import check_trainable, trainable_label
 from .parallel import check_mp_policy, check_parallel, per_device_batch
 from .quantization import Quantization, require_library
-from .optimizers import OPTIMIZERS, known_optimizer, optimizer_names
+from .optimizers import OPTIMIZERS, known_optimizer, library_optimizer, optimizer_names
 from .tasks import check_task
 from .userstep import check_step, step_name
 
@@ -130,8 +130,10 @@ class Plan:
                 "that takes the parameters and returns a torch.optim.Optimizer"
             )
         if isinstance(self.optimizer, str) and self.optimizer.endswith(("-fused", "_fused")) and self.foreach is not None:
+            unfused = self.optimizer.removesuffix("-fused").removesuffix("_fused")
             raise ValueError(f"optimizer={self.optimizer!r} is the fused implementation, which takes no foreach: leave "
-                             f"foreach out, or use {self.optimizer.removesuffix('-fused')!r} with foreach=")
+                             f"foreach out, or use {unfused!r} with foreach=")
+        self._check_library_optimizer()
         check_step(self.step, accumulation=self.accumulation, loss=self.loss, optimizer=self.optimizer,
                    parallel=self.parallel, precision=self.precision)
         check_trainable(self.trainable)
@@ -178,6 +180,30 @@ class Plan:
                              "them itself: leave zero_grad out")
         if self.zero_grad != "after_step" and self.task != "train":
             raise ValueError(f"zero_grad= applies to training, and task={self.task!r} computes no gradients: leave it out")
+
+    def _check_library_optimizer(self) -> None:
+        """bitsandbytes' and torchao's optimizers (and Adafactor): what they need, and what they can't be run with."""
+        name = self.optimizer if isinstance(self.optimizer, str) else None
+        if name is None or not library_optimizer(name):
+            return
+        if self.foreach is not None:
+            raise ValueError(f"optimizer={name!r} has one implementation, which takes no foreach: leave foreach out")
+        library = "transformers" if name == "adafactor" else "torchao" if name.startswith("adamw_torch_") else "bitsandbytes"
+        require_library(library, f"optimizer={name!r}")
+        if library == "transformers":
+            return
+        reason = ("optimizer_in_backward=True makes one optimizer per parameter" if self.optimizer_in_backward else
+                  f"parallel={self.parallel!r} wraps the optimizer in a sharded one" if self.parallel in ("zero1", "fsdp",
+                                                                                                       "fsdp-no-reshard")
+                  else "")
+        if reason:
+            raise ValueError(f"optimizer={name!r} is not estimated when {reason} (its state and code maps are set up "
+                             "on the optimizer nbmem builds): use 'adamw' there, or leave that option out")
+        if self.mode == "measured" and name.startswith("paged_"):
+            raise ValueError(f"optimizer={name!r} pages its state into CUDA managed memory, which bitsandbytes never "
+                             "frees in this process and PyTorch's allocator never counts: estimate it (mode='estimated' "
+                             "shows it as managed memory), or measure its non-paged twin "
+                             f"{name.removeprefix('paged_')!r}")
 
     def _check_quantization(self) -> None:
         quantized = None if self.quantization is None else Quantization.of(self.quantization)

@@ -43,13 +43,13 @@ import copy
 import importlib
 import importlib.util
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "SHORTHANDS", "require_library", "library_module", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
+__all__ = ["Quantization", "SHORTHANDS", "require_library", "library_module", "fake_layer_states", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
 
 #: The names ``quantization=`` takes as strings.
 SHORTHANDS = ("nf4", "fp4", "int8")
@@ -166,7 +166,8 @@ class Quantization:
 
     @classmethod
     def _of_config(cls, config: Any) -> Quantization:
-        skip = tuple(config.llm_int8_skip_modules) if config.llm_int8_skip_modules else None
+        # transformers adds its default skips only when llm_int8_skip_modules is None (an empty list skips nothing)
+        skip = tuple(config.llm_int8_skip_modules) if config.llm_int8_skip_modules is not None else None
         if config.load_in_8bit:
             if config.llm_int8_has_fp16_weight:
                 raise ValueError("BitsAndBytesConfig(llm_int8_has_fp16_weight=True) keeps fp16 weights and quantizes "
@@ -189,17 +190,21 @@ class Quantization:
     @property
     def label(self) -> str:
         if self.method == "torchao":
-            return f"torchao {type(self.config).__name__}"
+            return ", ".join([f"torchao {type(self.config).__name__}"] + self._choices())
         if self.method == "int8":
-            return "int8 (LLM.int8())"
+            return ", ".join(["int8 (LLM.int8())"] + self._choices())
         parts = [self.method, "double quant" if self.double_quant else "no double quant",
                  f"{_NAMES.get(self.compute_dtype, str(self.compute_dtype))} compute"]
         if self.quant_storage != torch.uint8:
             parts.append(f"{_NAMES.get(self.quant_storage, str(self.quant_storage))} storage")
-        return ", ".join(parts)
+        if self.blocksize != 64:
+            parts.append(f"blocks of {self.blocksize}")
+        return ", ".join(parts + self._choices())
 
-    def without_casts(self) -> Quantization:
-        return replace(self, kbit_casts=False)
+    def _choices(self) -> list[str]:
+        """What a label says beyond the format: skipped layers, peft's casts left out (so that sweeps tell them apart)."""
+        return ([f"skip {', '.join(self.skip)}" if self.skip else "skip nothing"] if self.skip is not None else []) + (
+            [] if self.kbit_casts else ["no kbit casts"])
 
 
 def quantization_label(value: Any) -> str:
@@ -251,18 +256,21 @@ def quantize_model(model: nn.Module, quantization: Quantization, notes: list[str
                f"all {linear} of the model's are left unquantized (skip={list(skip or [])})")
             + ": pass a model built from nn.Linear layers (a transformer), or leave quantization out"
         )
+    count = len(targets)
     if quantization.method == "torchao":
         _torchao(model, quantization.config, skip)
     else:
         from .quantized_layers import quantized_layer
 
-        for name, module in targets:
-            _set_submodule(model, name, quantized_layer(module, quantization))
+        names = [name for name, _ in targets]
+        del targets  # each full-precision layer goes as soon as its quantized one replaces it
+        for name in names:
+            _set_submodule(model, name, quantized_layer(model.get_submodule(name), quantization))
         # what peft and transformers read (peft chooses its bnb LoRA layers by it)
         setattr(model, "is_loaded_in_4bit" if quantization.bits == 4 else "is_loaded_in_8bit", True)
     skipped = sorted(name for name, module in model.named_modules() if _quantizable(module) and not _converted(name, skip))
     notes.append(
-        f"quantization: {len(targets)} linear layers quantized to {quantization.label} by {quantization.library}'s own "
+        f"quantization: {count} linear layers quantized to {quantization.label} by {quantization.library}'s own "
         f"functions (as from_pretrained with a {'TorchAoConfig' if quantization.method == 'torchao' else 'BitsAndBytesConfig'}"
         "); left as they were: "
         f"{', '.join(skipped[:4]) + (' ...' if len(skipped) > 4 else '') if skipped else 'none'}, and every other layer"
@@ -302,10 +310,17 @@ def quantized(model: nn.Module) -> bool:
 
 
 def classify_quantization_state(model: nn.Module, classify: Callable[[torch.Tensor, str], None]) -> None:
-    """File every quantized weight's state (absmax, codes, scales) under "parameter", with the weight it describes."""
+    """File every quantized weight's state (absmax, codes, scales) under "parameter", with the weight it describes
+    (an int8 layer that ran a forward keeps its scales on the layer's ``state``)."""
     for parameter in _unique(model.parameters()):
         for tensor in state_tensors(parameter):
             classify(tensor, "parameter")
+    for module in model.modules():
+        state = getattr(module, "state", None)
+        if type(state).__name__ == "MatmulLtState":
+            for name in ("CB", "SCB"):
+                if isinstance(getattr(state, name, None), torch.Tensor):
+                    classify(getattr(state, name), "parameter")
 
 
 def _quantizable(module: nn.Module) -> bool:
@@ -316,13 +331,24 @@ def _quantizable(module: nn.Module) -> bool:
 def _skipped(model: nn.Module, quantization: Quantization) -> list[str] | None:
     """The modules left unquantized: the user's, plus transformers' defaults for a transformers model."""
     skip = list(quantization.skip or [])
-    if type(model).__module__.startswith("transformers.") and hasattr(model, "all_tied_weights_keys"):
-        from transformers.quantizers.base import get_keys_to_not_convert
-
+    if type(model).__module__.startswith("transformers."):
         if quantization.skip is None:
-            skip += get_keys_to_not_convert(model)
+            skip += _default_skips(model)
         skip += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     return skip or None
+
+
+def _default_skips(model: nn.Module) -> list[str]:
+    """transformers' get_keys_to_not_convert: the output layer, tied weights, the last module (5.x and 4.x)."""
+    try:
+        if hasattr(model, "all_tied_weights_keys"):  # transformers 5
+            from transformers.quantizers.base import get_keys_to_not_convert
+        else:  # transformers 4
+            from transformers.integrations import get_keys_to_not_convert  # type: ignore[attr-defined,no-redef]
+        return list(get_keys_to_not_convert(model))
+    except (ImportError, AttributeError, TypeError):
+        output = getattr(model, "get_output_embeddings", lambda: None)()
+        return [name for name, module in model.named_modules() if output is not None and module is output]
 
 
 def _converted(name: str, patterns: list[str] | None) -> bool:
@@ -436,9 +462,9 @@ def code_maps(fake_mode: Any, device: torch.device) -> Iterator[None]:
         functional.name2qmap["dynamic"] = lent
         yield
     finally:
-        if had:
+        if had and not _is_fake(before):
             functional.name2qmap["dynamic"] = before
-        else:
+        else:  # (a fake one is what an estimate Ctrl-C cut short left: never put back)
             functional.name2qmap.pop("dynamic", None)
 
 
@@ -456,6 +482,19 @@ def fake_quant_attributes(parameter: torch.Tensor, make: Any, memo: dict[int, An
         if hasattr(parameter, name):
             attributes[name] = _converted_value(getattr(parameter, name), make, memo)
     return attributes
+
+
+def fake_layer_states(model: nn.Module, make: Any, memo: dict[int, Any]) -> None:
+    """Put in ``memo`` a copy of each bitsandbytes int8 layer's ``state`` (after a forward it holds the weight's
+    CB and SCB) with its tensors made by ``make``, so that deepcopy meets no real tensor there."""
+    for module in model.modules():
+        state = getattr(module, "state", None)
+        if type(state).__name__ == "MatmulLtState" and id(state) not in memo:
+            copied = copy.copy(state)
+            for name, value in vars(state).items():
+                if isinstance(value, torch.Tensor):
+                    setattr(copied, name, _converted_value(value, make, memo))
+            memo[id(state)] = copied
 
 
 def _converted_value(value: Any, make: Any, memo: dict[int, Any]) -> Any:

@@ -83,8 +83,9 @@ class QuantizedKernels:
         return bool(self._choose(0, dtype, rows, out_features, in_features))
 
     def __enter__(self) -> QuantizedKernels:
-        if not QuantizedKernels._active.acquire(blocking=False):
+        if not QuantizedKernels._active.acquire(blocking=False) and _stand_ins_installed():
             raise RuntimeError("nbmem's QuantizedKernels is already active in this process: one at a time")
+        # (held, nothing installed: an entry Ctrl-C cut short between the two left the lock; this one takes it over)
         try:
             bitsandbytes: Any = importlib.import_module("bitsandbytes")  # untyped: its attributes are replaced
             self._module = bitsandbytes
@@ -154,8 +155,18 @@ class QuantizedKernels:
                 "bitsandbytes' Python does (untested on CUDA)")
         if self.int8:
             notes.append(f"bitsandbytes' CUDA kernels: each of the {self.int8 // steps} int8 matmuls per step holds an "
-                         "int32 buffer of its output's size while it runs (untested on CUDA)")
+                         "int32 buffer of its output's size while it runs, counted from the matmul's start (CUDA makes "
+                         "it after quantizing the input: at most that quantization's temporaries early; untested on CUDA)")
         return notes
+
+
+def _stand_ins_installed() -> bool:
+    """Whether bitsandbytes' matmuls are a QuantizedKernels' stand-ins now (an estimate is in its step)."""
+    import sys
+
+    bitsandbytes = sys.modules.get("bitsandbytes")
+    owner = getattr(getattr(bitsandbytes, "matmul_4bit", None), "__self__", None)
+    return isinstance(owner, QuantizedKernels)
 
 
 def _heuristic(gpu: str | None) -> tuple[Callable[..., bool] | None, int, int]:

@@ -135,8 +135,9 @@ class Estimate:
 
     @property
     def fits(self) -> bool | None:
-        """Whether the step fits the capacity (None without one): its allocated peak, and every
-        segment the simulated allocator reserved (after releasing its cache). Overheads not included."""
+        """Whether the step fits the capacity (None without one): its allocated peak with any managed memory (a paged
+        optimizer's), and every segment the simulated allocator reserved (after releasing its cache). Overheads not
+        included."""
         if self.capacity is None:
             return None
         return self.peak + (self.managed or 0) <= self.capacity and self.reserve_failed is None
