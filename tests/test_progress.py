@@ -181,7 +181,8 @@ def test_a_failing_view_turns_off_with_one_warning(shell: Any, monkeypatch: pyte
 
 # --- Ctrl-C keeps what finished ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("how", [_raise, _sigint], ids=["KeyboardInterrupt", "SIGINT"])
+@pytest.mark.parametrize("how", [_raise, pytest.param(_sigint, marks=pytest.mark.interrupts)],
+                         ids=["KeyboardInterrupt", "SIGINT"])
 def test_an_interrupted_sweep_returns_the_rows_that_finished(how: Callable[[], None], default_sigint: None,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     full = nbmem.sweep(build, make, batch_size=SIZES, mode="tracked", optimizer="sgd")
@@ -199,7 +200,8 @@ def test_an_interrupted_sweep_returns_the_rows_that_finished(how: Callable[[], N
     assert_next_cell_exact()
 
 
-@pytest.mark.parametrize("how", [_raise, _sigint], ids=["KeyboardInterrupt", "SIGINT"])
+@pytest.mark.parametrize("how", [_raise, pytest.param(_sigint, marks=pytest.mark.interrupts)],
+                         ids=["KeyboardInterrupt", "SIGINT"])
 def test_an_interrupted_batch_size_search_returns_what_it_established(how: Callable[[], None],
                                                                      default_sigint: None) -> None:
     full = nbmem.max_batch_size(build, make, device="8MiB", optimizer="sgd")
@@ -255,6 +257,7 @@ def test_a_search_interrupted_while_estimating_says_nothing_is_established() -> 
 # --- real ranks (slow: processes) ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.interrupts  # a real SIGINT: under coverage it can land in the tracer holding its lock (tests/conftest.py)
 def test_ctrl_c_during_a_parallel_sweep_kills_and_reaps_its_ranks(default_sigint: None) -> None:
     def batch(n: int) -> Any:
         if n == 16:  # in a rank of the second configuration: Ctrl-C reaches the notebook's kernel, then wait
