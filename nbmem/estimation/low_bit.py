@@ -39,6 +39,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .libraries import library_module, require_bitsandbytes, require_library
+
 __all__ = ["LOW_BIT", "TORCHAO_OPTIM", "torchao_note", "ManagedMemory", "low_bit_factory", "prepare_low_bit", "PAGED_MIN_ELEMENTS"]
 
 #: Hugging Face's optim names for bitsandbytes' optimizers: (bitsandbytes class, state bits, paged).
@@ -75,8 +77,6 @@ def low_bit_factory(name: str) -> Callable[..., torch.optim.Optimizer]:
 
 
 def _build_torchao(name: str, parameters: Any, **options: Any) -> torch.optim.Optimizer:
-    from .quantization import library_module, require_library
-
     require_library("torchao", f"optimizer={name!r}")
     options.pop("foreach", None)
     optim = library_module("torchao.optim")
@@ -104,8 +104,6 @@ def torchao_note(name: str) -> str:
 
 
 def _build(name: str, parameters: Any, **options: Any) -> torch.optim.Optimizer:
-    from .quantization import library_module, require_bitsandbytes
-
     require_bitsandbytes(f"optimizer={name!r}")
     bnb = library_module("bitsandbytes")  # untyped: built as transformers' Trainer builds it
 

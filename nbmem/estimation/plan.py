@@ -38,7 +38,8 @@ from .selective import check_saves, saves_label
 from .step import ZERO_GRAD
 from .finetune import check_trainable, trainable_label
 from .parallel import check_mp_policy, check_parallel, per_device_batch
-from .quantization import Quantization, require_library
+from .libraries import require_library
+from .quantization import Quantization
 from .optimizers import OPTIMIZERS, known_optimizer, library_optimizer, optimizer_names
 from .tasks import check_task
 from .userstep import check_step, step_name

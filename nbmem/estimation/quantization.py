@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib
-import importlib.util
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -49,7 +47,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-__all__ = ["Quantization", "SHORTHANDS", "require_library", "library_module", "fake_layer_states", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count", "require_bitsandbytes"]
+from .libraries import library_module, require_library
+
+__all__ = ["Quantization", "SHORTHANDS", "fake_layer_states", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count"]
 
 #: The names ``quantization=`` takes as strings.
 SHORTHANDS = ("nf4", "fp4", "int8")
@@ -57,30 +57,6 @@ SHORTHANDS = ("nf4", "fp4", "int8")
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
            "fp32": torch.float32, "float32": torch.float32, "uint8": torch.uint8}
 _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "uint8"}
-
-
-def require_bitsandbytes(what: str) -> None:
-    """Raise ValueError, naming the extra, when bitsandbytes is not installed."""
-    require_library("bitsandbytes", what)
-
-
-def library_module(name: str) -> Any:
-    """Import ``name`` (of bitsandbytes or torchao) outside every dispatch mode, untyped.
-
-    A library first imported inside an estimate's fake mode would keep fake
-    tensors as its module-level constants (torchao's code maps), which later
-    steps then read with ``.tolist()``.
-    """
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        return importlib.import_module(name)
-
-
-def require_library(library: str, what: str) -> None:
-    """Raise ValueError, naming the extra, when ``library`` (bitsandbytes, torchao) is not installed."""
-    if importlib.util.find_spec(library) is None:
-        raise ValueError(f"{what} needs {library}, an optional extra: pip install 'nbmem[quant]'")
 
 
 def _torchao(model: nn.Module, config: Any, skip: list[str] | None) -> None:

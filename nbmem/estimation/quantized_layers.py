@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .libraries import library_module
+
 __all__ = ["quantized_layer", "follow_cuda"]
 
 
@@ -73,8 +75,6 @@ def _fake(tensor: torch.Tensor) -> bool:
 
 def _bitsandbytes() -> Any:
     """bitsandbytes, untyped: its classes are read and built as transformers does, not checked here."""
-    from .quantization import library_module  # lazily: that module imports this one
-
     return library_module("bitsandbytes")
 
 
