@@ -43,6 +43,7 @@ True
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import logging
 import os
@@ -179,6 +180,7 @@ def _heuristic(gpu: str | None) -> tuple[Callable[..., bool] | None, int, int]:
         return None, FUSED_UP_TO, DEQUANTIZED_PAST
 
 
+@functools.lru_cache(maxsize=None)  # one parse of bitsandbytes' source per GPU and process, not one per estimate
 def _read_heuristic(sms: int, capability: tuple[int, int]) -> tuple[Callable[..., bool], int, int]:
     # backends/cuda/ops.py loads bitsandbytes' CUDA library when imported, so its function is read from the source
     spec = importlib.util.find_spec("bitsandbytes")
