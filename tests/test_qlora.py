@@ -369,6 +369,69 @@ def test_torchao_configs_that_cant_run_say_why(torchao):
                           quantization=torchao.Int8WeightOnlyConfig()).peak > 0  # the session goes on
 
 
+def nf4_config():
+    from torchao.prototype._nf4tensor_api import NF4WeightOnlyConfig  # torchao 0.18's home for it
+
+    return NF4WeightOnlyConfig()
+
+
+def wide_bf16_llama() -> nn.Module:
+    """Every projection holds a multiple of 64 x 256 values, as torchao's NF4 needs."""
+    from transformers import LlamaForCausalLM
+
+    config = llama().config
+    config.update(dict(hidden_size=128, intermediate_size=256, num_key_value_heads=2, head_dim=64))
+    return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def test_torchao_nf4_qlora_estimates_as_a_tracked_run_of_torchao(torchao):
+    figures = {}
+    for mode in ("estimated", "tracked"):
+        result = nbmem.estimate(wide_bf16_llama, causal_lm_batch, batch_size=2, precision="bf16", mode=mode,
+                                quantization=nf4_config(), trainable="lora")
+        figures[mode] = (result.first_step, result.steady, result.parameters,
+                         *(result.breakdown.category(name) for name in ("parameter", "gradient", "optimizer state")))
+    assert figures["estimated"] == figures["tracked"]
+    assert any("14 linear layers quantized to torchao NF4WeightOnlyConfig" in note for note in result.notes)
+
+
+def test_torchao_nf4_weight_is_half_a_byte_a_value_with_int8_block_scales(torchao):
+    def one_layer():
+        return nn.Sequential(nn.Linear(1024, 4096, bias=False, dtype=torch.bfloat16))
+
+    result = nbmem.estimate(one_layer, lambda n: torch.randn(n, 1024, dtype=torch.bfloat16), batch_size=4,
+                            task="inference", quantization=nf4_config())
+    n = 4096 * 1024
+    # torchao's NF4Tensor: packed 4-bit data, an int8 scale per 64 values, a bf16 factor per 256 of those, a bf16
+    # mean and the 16-value bf16 code book: five storages of 512-byte blocks
+    inner = (n // 2, n // 64, n // 64 // 256 * 2, 2, 16 * 2)
+    assert result.breakdown.category("parameter") == sum(map(round_allocation, inner)) == 2_164_224
+    assert result.parameters == n
+
+
+@pytest.mark.parametrize("config", ["nf4", "Int8WeightOnlyConfig"])
+def test_a_model_torchao_already_quantized_is_copied_through_what_its_weights_wrap(torchao, config):
+    from torchao.quantization import quantize_
+
+    model = nn.Sequential(nn.Linear(1024, 4096, bias=False, dtype=torch.bfloat16), nn.ReLU(),
+                          nn.Linear(4096, 8, dtype=torch.bfloat16))
+    quantize_(model, nf4_config() if config == "nf4" else getattr(torchao, config)(),
+              filter_fn=lambda module, name: name == "0")
+    weight = model[0].weight
+    figures = {}
+    for mode in ("estimated", "tracked"):  # a tracked copy of a tensor subclass read its missing storage: SIGSEGV
+        result = nbmem.estimate(model, lambda n: torch.randn(n, 1024, dtype=torch.bfloat16), batch_size=4, mode=mode)
+        figures[mode] = (result.peak, result.steady, result.breakdown.at_peak)
+    assert figures["estimated"] == figures["tracked"]
+    assert model[0].weight is weight and type(weight).__name__ in ("NF4Tensor", "Int8Tensor")
+
+
+def test_torchao_nf4_on_a_layer_too_small_for_its_blocks_names_the_layer_and_the_fix(torchao):
+    with pytest.raises(ValueError, match=r"can't quantize layer 'model.layers.0.self_attn.q_proj'.* multiple of "
+                                         r"block_size x scaler_block_size = 64 x 256 = 16,384 values"):
+        nbmem.estimate(bf16_llama, causal_lm_batch, batch_size=1, quantization=nf4_config(), trainable="lora")
+
+
 @pytest.fixture()
 def forget_compiled_code():
     """torchao's compiled step ran here: later tests' "auto" scopes must not pick the native engine for it."""

@@ -95,8 +95,13 @@ def _copied(model: nn.Module, fake_mode: Any, device: torch.device) -> nn.Module
         # own tensors through an op would make the tracker adopt them, one
         # full copy of the parameters too many (issue 11: ResNet-18 +44.6 MiB).
         from torch.utils._mode_utils import no_dispatch
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
         def real(tensor: torch.Tensor) -> torch.Tensor:
+            if is_traceable_wrapper_subclass(tensor):  # torchao's quantized weights: copy what they wrap
+                names, meta = tensor.__tensor_flatten__()
+                inner = {name: real(getattr(tensor, name)) for name in names}
+                return type(tensor).__tensor_unflatten__(inner, meta, tensor.size(), tensor.stride())
             copied = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
             with no_dispatch(), torch.no_grad():
                 copied.copy_(tensor.detach())

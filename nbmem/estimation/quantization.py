@@ -20,9 +20,9 @@ plain fake Parameter carrying the same attributes (``quant_state``,
 ``quantization=`` takes ``"nf4"`` and ``"fp4"`` (QLoRA's recipe: double
 quantization, bf16 compute), ``"int8"`` (LLM.int8()), a transformers
 ``BitsAndBytesConfig``, or a :class:`Quantization`; or a torchao weight
-config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``), which
-torchao's own ``quantize_`` applies to the same layers (its tensor
-subclasses run on fake tensors as they are). When something trains
+config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``, NF4's
+``NF4WeightOnlyConfig()``), which torchao's own ``quantize_`` applies to the
+same layers (its tensor subclasses run on fake tensors as they are). When something trains
 (``trainable=``), peft's ``prepare_model_for_kbit_training`` casts come
 first, as the QLoRA recipe runs them: every parameter frozen, every fp16 or
 bf16 parameter that is not a 4-bit weight cast to fp32
@@ -62,8 +62,26 @@ _NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", 
 def _torchao(model: nn.Module, config: Any, skip: list[str] | None) -> None:
     """torchao's ``quantize_`` on the linear layers transformers' loader would quantize (TorchAoConfig's)."""
     quantize_ = library_module("torchao.quantization").quantize_
+    chosen: list[str] = []
+
+    def converted(module: nn.Module, name: str) -> bool:
+        if _quantizable(module) and _converted(name, skip):
+            chosen.append(name)  # torchao converts each as soon as it is chosen: the last one is the one that failed
+            return True
+        return False
+
     try:
-        quantize_(model, config, filter_fn=lambda module, name: _quantizable(module) and _converted(name, skip))
+        quantize_(model, config, filter_fn=converted)
+    except AssertionError as error:  # NF4WeightOnlyConfig: a weight of fewer or other values than its blocks take
+        blocks = getattr(config, "block_size", 64), getattr(config, "scaler_block_size", 256)
+        raise ValueError(
+            f"torchao's {type(config).__name__} can't quantize layer {chosen[-1] if chosen else '?'!r}: {str(error).strip()}. "
+            + (f"Its NF4 needs each weight to hold a multiple of block_size x scaler_block_size = {blocks[0]} x "
+               f"{blocks[1]} = {blocks[0] * blocks[1]:,} values: leave that layer out with nbmem.Quantization("
+               f"'torchao', config=..., skip=({chosen[-1] if chosen else 'name'!r}, ...)), or lower the config's "
+               "scaler_block_size" if "NF4" in type(config).__name__ else "leave that layer out with "
+               "nbmem.Quantization('torchao', config=..., skip=(name, ...))")
+        ) from error
     except ImportError as error:  # a config whose kernels live in a package of their own (Int4WeightOnlyConfig: mslk)
         raise ValueError(
             f"torchao's {type(config).__name__} needs a kernel package torchao could not import ({error}): install "
@@ -77,7 +95,8 @@ class Quantization:
 
     ``method`` is ``"nf4"``, ``"fp4"`` or ``"int8"`` (bitsandbytes), or
     ``"torchao"`` with ``config`` a torchao weight config
-    (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``, ...), applied
+    (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``,
+    ``NF4WeightOnlyConfig()``, ...), applied
     with torchao's own ``quantize_``; ``double_quant`` and
     ``compute_dtype``, ``quant_storage`` and ``blocksize`` are 4-bit's
     (``bnb_4bit_use_double_quant``, ...); ``skip`` names modules left
