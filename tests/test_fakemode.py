@@ -179,7 +179,7 @@ def test_a_foreach_op_answers_as_pytorchs_own_from_nbmems_cache(monkeypatch):
     # nbmem's foreach cache is the module's, shared by every mode: estimates run earlier in this process (any
     # Adam step) have filled it, so this test starts from an empty one, to see this op's miss and then its hit
     cache: dict = {}
-    monkeypatch.setattr(fakemode, "_FOREACH_OUTPUTS", cache)
+    monkeypatch.setattr(fakemode, "_KEPT_OUTPUTS", cache)
     mode = FastKeyFakeTensorMode()
     with mode:
         tensors = [torch.empty(3, 4), torch.empty(5).t(), torch.empty(2, 3, dtype=torch.bfloat16)]
@@ -194,7 +194,7 @@ def test_a_foreach_op_answers_as_pytorchs_own_from_nbmems_cache(monkeypatch):
     monkeypatch.setattr(FakeTensorMode, "dispatch", counted)
     with mode:
         first = func(tensors)  # a miss: PyTorch's path makes the outputs, and nbmem keeps their metadata
-    assert pytorchs == [func] and len(cache) == 1 and len(next(iter(cache.values()))) == 3
+    assert pytorchs == [func] and len(cache) == 1 and len(next(iter(cache.values()))[1]) == 3
     with mode:
         again = mode.dispatch(func, (), (tensors,), {})  # a hit: from nbmem's entry alone
     assert pytorchs == [func] and len(cache) == 1
@@ -202,6 +202,50 @@ def test_a_foreach_op_answers_as_pytorchs_own_from_nbmems_cache(monkeypatch):
         theirs = dispatch(mode, func, (), (tensors,), {})
     assert metadata(again) == metadata(theirs) == metadata(first)
     assert len({tensor.untyped_storage()._cdata for tensor in again + tensors}) == 6  # each output new
+
+
+def test_unsafe_view_is_answered_as_the_view_fake_impls_makes_it_from_the_cache(monkeypatch):
+    """PyTorch's cache refuses _unsafe_view ("unsafe view"); its fake function is view's: asked as view, a hit."""
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        source = torch.empty(4, 6, 8)[1:]
+        theirs = FakeTensorMode.dispatch(mode, torch.ops.aten._unsafe_view.default, (), (source, [-1, 8]), {})
+        torch.ops.aten.view.default(source, [-1, 8])  # the view's entry, made once
+    dispatch = FakeTensorMode.dispatch
+    pytorchs: list = []
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, op, *rest: pytorchs.append(op) or dispatch(self, op, *rest))
+    with mode:
+        ours = torch.ops.aten._unsafe_view.default(source, [-1, 8])
+    assert pytorchs == []  # from the cache alone
+    assert (ours.shape, ours.stride(), ours.storage_offset()) == (theirs.shape, theirs.stride(), 48) == ((18, 8), (8, 1), 48)
+    assert ours.untyped_storage()._cdata == theirs.untyped_storage()._cdata == source.untyped_storage()._cdata
+
+
+def test_bitsandbytes_ops_are_answered_from_nbmems_cache_as_their_fake_functions_answer(monkeypatch):
+    """PyTorch caches no op outside its libraries ("non-builtin"): nbmem keeps bitsandbytes' by PyTorch's key."""
+    pytest.importorskip("bitsandbytes")
+    from nbmem.estimation import fakemode
+
+    cache: dict = {}
+    monkeypatch.setattr(fakemode, "_KEPT_OUTPUTS", cache)
+    mode = FastKeyFakeTensorMode()
+    with mode:
+        packed, absmax, code = torch.empty(4096, dtype=torch.uint8), torch.empty(64), torch.empty(256)
+    dequantize = torch.ops.bitsandbytes.dequantize_blockwise.default
+    out = torch.ops.bitsandbytes.dequantize_blockwise.out
+    dispatch = FakeTensorMode.dispatch
+    pytorchs: list = []
+    monkeypatch.setattr(FakeTensorMode, "dispatch", lambda self, op, *rest: pytorchs.append(op) or dispatch(self, op, *rest))
+    with mode:
+        first = dequantize(packed, absmax, code, 64, torch.bfloat16)
+        target = torch.empty(4096, dtype=torch.bfloat16)
+        assert out(packed, absmax, code, 64, torch.bfloat16, out=target) is None  # writes into its argument
+        again = dequantize(packed, absmax, code, 64, torch.bfloat16)
+        assert out(packed, absmax, code, 64, torch.bfloat16, out=target) is None
+    bitsandbytes_ops = [op for op in pytorchs if op.namespace == "bitsandbytes"]
+    assert bitsandbytes_ops == [dequantize, out] and len(cache) == 2  # the second of each from nbmem's entry alone
+    assert metadata(again) == metadata(first) and (again.shape, again.dtype) == ((4096,), torch.bfloat16)
+    assert len({tensor.untyped_storage()._cdata for tensor in (first, again, packed)}) == 3  # each output new
 
 
 def test_a_foreach_op_in_place_or_on_constants_is_left_to_pytorch():
@@ -350,3 +394,49 @@ def test_device_queries_are_not_reported_to_the_carried_tracker():
         matrix.t()
         assert tracker._op_index == before + 1  # every other op is
 
+
+
+class _CountsFrozen(torch.nn.Module):
+    """A model whose forward notes how many objects the collector had set aside (in the class: copies share it)."""
+
+    seen: list[int] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+        _CountsFrozen.seen.clear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import gc
+
+        self.seen.append(gc.get_freeze_count())
+        return self.layer(x)
+
+
+def test_an_estimate_sets_older_objects_aside_from_the_collector_and_gives_them_back():
+    import gc
+
+    import nbmem
+
+    model = _CountsFrozen()
+    before = len(gc.get_objects())
+    result = nbmem.estimate(model, lambda n: torch.randn(n, 8), batch_size=4, optimizer="sgd")
+    assert model.seen and min(model.seen) >= before // 2  # the process's older objects set aside
+    assert gc.get_freeze_count() == 0  # and given back
+    assert result.peak == nbmem.estimate(model, lambda n: torch.randn(n, 8), batch_size=4, optimizer="sgd").peak
+
+
+def test_objects_someone_else_froze_stay_frozen_through_an_estimate():
+    import gc
+
+    import nbmem
+
+    model = _CountsFrozen()
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        nbmem.estimate(model, lambda n: torch.randn(n, 8), batch_size=4, optimizer="sgd")
+        # still frozen, and nothing more: the count only falls, as frozen objects die
+        assert frozen - 1000 < gc.get_freeze_count() <= frozen and 0 < frozen - 1000 < min(model.seen) <= max(model.seen) <= frozen
+    finally:
+        gc.unfreeze()

@@ -59,7 +59,7 @@ from .userstep import (
     step_label,
     user_step_notes,
 )
-from .fakemode import FastKeyFakeTensorMode
+from .fakemode import FastKeyFakeTensorMode, older_objects_unscanned
 from ..tracking.tracker import Tracker
 from ..core.units import format_bytes
 
@@ -214,6 +214,16 @@ def estimate(
         raise ValueError(bitsandbytes_message(error, plan.mode)) from error
 
 
+@contextlib.contextmanager
+def _faked(fake_mode: Any) -> Any:
+    """Inside ``fake_mode`` (None: nothing), with the objects made before it left out of the collector's scans."""
+    if fake_mode is None:
+        yield
+        return
+    with older_objects_unscanned(), fake_mode:
+        yield
+
+
 def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan,
                   timeline: bool = False) -> Estimate:
     """:func:`estimate` for a :class:`~nbmem.estimation.plan.Plan` already made (a sweep's, a search's)."""
@@ -254,7 +264,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             tracker.host = fake_mode  # one trip into Python per op, not two (FastKeyFakeTensorMode.carry)
         scope = functools.partial(MemoryScope, tracker=tracker)
         before = (0, 0)
-    outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    outer = _faked(fake_mode)
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
     try:

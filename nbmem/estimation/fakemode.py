@@ -19,8 +19,10 @@ Where PyTorch's metadata fields are not the ones this was written against
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import weakref
 from typing import Any
@@ -35,7 +37,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..tracking.dispatch import SKIPS_BY_CODE, after_op, before_op, skip_dynamo
 
-__all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
+__all__ = ["new_fake_mode", "FastKeyFakeTensorMode", "older_objects_unscanned"]
 
 #: TensorMetadata's fields in torch 2.13 (torch/_subclasses/fake_tensor.py): the
 #: order _flatten_into appends them in, which _flatten_dense follows.
@@ -70,6 +72,7 @@ _META_HANDLERS, _HANDLE_DIRECTLY, _LOG = (
 _DEVICE = torch.ops.prim.device.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
 _META = torch.device("meta")
 _get_dispatch_mode, _FAKE_KEY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
@@ -159,7 +162,7 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         ``_cached_dispatch_impl``, the output made as
         ``_output_from_cache_entry`` makes it, without its per-value checks
         for symbolic sizes, which only a ShapeEnv creates. A foreach op that
-        returns new tensors: see :meth:`_foreach`. Everything else (misses,
+        returns new tensors, and bitsandbytes' ops: see :meth:`_kept`. Everything else (misses,
         bypasses, symbolic shapes, debug logging,
         cross-checking) goes to PyTorch's own method.
         """
@@ -176,6 +179,11 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             lifted = self._lifted(args[0])
             if lifted is not None:
                 return lifted
+        if func is _UNSAFE_VIEW and self.shape_env is None:
+            # fake_impls answers _unsafe_view with the very function it answers view with, but PyTorch's cache
+            # refuses _unsafe_view ("unsafe view": 150 us each through _reshape_view_helper, 2,306 in a 7B QLoRA
+            # estimate): asked as the view it is, it is a cache hit, with the same output (same storage)
+            func = _VIEW
         if (
             _HIT_PATH
             and self.shape_env is None
@@ -201,8 +209,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
                     )
                     FakeTensorMode.cache_hits += 1
                     return output
-                if func.name().startswith("aten::_foreach_"):
-                    return self._foreach(key, func, types, args, kwargs)
+                if func.namespace in _KEPT_NAMESPACES or func.name().startswith("aten::_foreach_"):
+                    return self._kept(key, func, types, args, kwargs)
         return super().dispatch(func, types, args, kwargs if kwargs is not None else {})
 
     def _lifted(self, real: torch.Tensor) -> FakeTensor | None:
@@ -240,28 +248,40 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         converter.add_constant_storage_mapping(fake)
         return fake
 
-    def _foreach(self, key: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        """A foreach op that returns new tensors (Adam's ``_foreach_sqrt``), from nbmem's own cache by the same key.
+    def _kept(self, key: Any, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """An op PyTorch won't cache, answered from nbmem's own cache by the same key: foreach ops, bitsandbytes'.
 
-        PyTorch caches no list output ("non-FakeTensor output") and runs the
-        op's meta function each time, a Python reference per tensor: for
-        GPT-2's 148 parameters about 5 % of an estimate. The outputs' metadata
-        is cached here under PyTorch's own key (it holds every input's
-        metadata; an input with a constant has no key), and new tensors are
-        made from it as from PyTorch's entries. Only when every output is a
-        new dense tensor of this mode with a storage of its own.
+        PyTorch caches no list output ("non-FakeTensor output": Adam's
+        ``_foreach_sqrt``, a Python reference per tensor, about 5 % of a
+        GPT-2 estimate) and no op outside its own libraries ("non-builtin":
+        bitsandbytes' ``gemm_4bit``, ``dequantize_4bit`` and optimizer
+        updates, 3,140 of them in a 7B QLoRA estimate, each through its
+        Python fake function). bitsandbytes' fake functions make their
+        outputs from their inputs' shapes and dtypes and the other arguments,
+        all of which the key holds (an input with a constant has no key).
+        The outputs' metadata is cached here under PyTorch's own key, and new
+        tensors are made from it as from PyTorch's entries. Only when every
+        output is a new dense tensor of this mode with a storage of its own,
+        or None (an op that writes into its arguments returns nothing).
         """
-        outputs = _FOREACH_OUTPUTS.get(key)
+        outputs = _KEPT_OUTPUTS.get(key)
         if outputs is not None:
-            return [self._from_cache(output, key, func, args) for output in outputs]
-        result = super().dispatch(func, types, args, kwargs if kwargs is not None else {})
-        if isinstance(result, list) and result and all(_new_dense(self, tensor, args) for tensor in result):
-            storages = {tensor.untyped_storage()._cdata for tensor in result}
-            if len(storages) == len(result):
-                _FOREACH_OUTPUTS[key] = tuple(
-                    _OutputInfo(None, _INTERNALS["extract_tensor_metadata"](tensor), None)
-                    for tensor in result
-                )
+            kind, infos = outputs
+            made = [None if info is None else self._from_cache(info, key, func, args) for info in infos]
+            return made[0] if kind is None else kind(made)
+        result: Any = super().dispatch(func, types, args, kwargs if kwargs is not None else {})
+        many = type(result) in (list, tuple)
+        values: list[Any] = list(result) if many else [result]
+        tensors = [value for value in values if value is not None]
+        if func.namespace == "aten" and (not many or not values or len(tensors) < len(values)):
+            return result  # PyTorch's own path for an in-place foreach op: it may drop constants it wrote over
+        if (many and not values) or not all(_new_dense(self, tensor, args) for tensor in tensors):
+            return result
+        if len({tensor.untyped_storage()._cdata for tensor in tensors}) == len(tensors):
+            _KEPT_OUTPUTS[key] = (type(result) if many else None, tuple(
+                None if value is None else _OutputInfo(None, _INTERNALS["extract_tensor_metadata"](value), None)
+                for value in values
+            ))
         return result
 
     def _cache_key(self, state: Any, func: Any, args: Any, kwargs: Any) -> Any:
@@ -368,8 +388,11 @@ class FastKeyFakeTensorMode(FakeTensorMode):
 
 skip_dynamo(FastKeyFakeTensorMode.__torch_dispatch__)
 
-#: Foreach outputs by PyTorch's cache key: metadata only, as PyTorch's own cache holds (FakeTensorMode.cache).
-_FOREACH_OUTPUTS: dict[Any, tuple[Any, ...]] = {}
+#: The outputs of ops PyTorch won't cache, by PyTorch's cache key: the container type (None: one value) and each
+#: output's metadata (None: a None output), as PyTorch's own cache holds them (FakeTensorMode.cache).
+_KEPT_OUTPUTS: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+#: The libraries whose ops nbmem caches though PyTorch doesn't (their fake functions read only what the key holds).
+_KEPT_NAMESPACES = frozenset({"bitsandbytes"})
 
 
 def _new_dense(mode: FakeTensorMode, tensor: Any, args: Any) -> bool:
@@ -448,3 +471,28 @@ def _autograd_started_outside_fake_mode() -> None:
     with _disable_current_modes():
         leaf = torch.zeros(1, requires_grad=True)
         leaf.sum().backward()
+
+
+@contextlib.contextmanager
+def older_objects_unscanned() -> Any:
+    """Python's cyclic garbage collector leaves the objects that existed before alone until the block ends.
+
+    An estimate makes hundreds of thousands of small objects (fake tensors,
+    cache keys), enough to start a full collection, which scans every
+    object of the process: about 0.3 s of a 7B QLoRA estimate, scanning the
+    500,000 objects that torch, transformers and the notebook had made
+    before it. ``gc.freeze()`` sets those aside for the block, and
+    ``gc.unfreeze()`` gives them back: nothing is collected that would not
+    be, the objects the estimate makes are collected as they always are (a
+    fake tensor's lifetime is unchanged), and no collection is forced. Where
+    something has frozen objects already (a caller, or an enclosing
+    estimate), this leaves them as they are.
+    """
+    if gc.get_freeze_count() > 0 or not gc.isenabled():
+        yield
+        return
+    try:
+        gc.freeze()
+        yield
+    finally:
+        gc.unfreeze()
