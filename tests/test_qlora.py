@@ -520,3 +520,23 @@ def test_quantized_weights_never_train_even_when_everything_is_asked_to():
     unquantized = sum(p.numel() for name, p in model.named_parameters() if "proj" not in name and "lm_head" not in name)
     assert result.trained.parameters == unquantized
     assert any("15 linear layers quantized" in note for note in result.notes)
+
+
+def test_which_weights_count_as_quantized_for_each_reach(torchao):
+    import bitsandbytes
+    from torchao.quantization import to_nf4
+
+    from nbmem.estimation.libraries import quantized_weight
+
+    four = bitsandbytes.nn.Params4bit(torch.randn(64, 64), requires_grad=False, quant_type="nf4")._quantize("cpu")
+    rows, scales, _ = bitsandbytes.functional.int8_vectorwise_quant(torch.randn(64, 64, dtype=torch.float16))
+    eight = bitsandbytes.nn.Int8Params(rows, requires_grad=False, has_fp16_weights=False, CB=rows, SCB=scales)
+    fake_four = nn.Parameter(torch.empty(8, dtype=torch.uint8), requires_grad=False)
+    fake_four.quant_state = four.quant_state  # an estimate's fake 4-bit weight: a plain Parameter with the state
+    nf4 = nn.Parameter(to_nf4(torch.randn(128, 128, dtype=torch.bfloat16)), requires_grad=False)
+    plain = nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    table = {reach: [quantized_weight(weight, reach) for weight in (four, fake_four, eight, nf4, plain)]
+             for reach in ("4bit", "bitsandbytes", "any")}
+    assert table == {"4bit": [True, True, False, False, False],
+                     "bitsandbytes": [True, True, True, False, False],
+                     "any": [True, True, True, True, False]}

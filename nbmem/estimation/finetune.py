@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from ..core.units import format_bytes
+from .libraries import quantized_weight
 
 __all__ = ["PRESETS", "AS_BUILT", "check_trainable", "trainable_label", "apply_trainable", "head_of", "Trained", "TrainedWatch"]
 
@@ -152,9 +153,7 @@ def _train_only(model: nn.Module, chosen: Any) -> None:
     never a quantized weight (bitsandbytes' stored as bf16, torchao's tensor subclasses: they can't train)."""
     for parameter in model.parameters():
         floating = parameter.is_floating_point() or parameter.is_complex()
-        quantized = getattr(parameter, "quant_state", None) is not None or type(parameter).__module__.startswith(
-            ("bitsandbytes.", "torchao."))
-        parameter.requires_grad_(bool(chosen(parameter)) and floating and not quantized)
+        parameter.requires_grad_(bool(chosen(parameter)) and floating and not quantized_weight(parameter))
 
 
 def _names_by_parameter(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from .libraries import library_module, require_library
+from .libraries import library_module, quantized_weight, require_library
 
 __all__ = ["Quantization", "SHORTHANDS", "fake_layer_states", "quantization_label", "quantized", "classify_quantization_state", "quantize_model", "prepare_quantized", "kbit_casts", "parameter_count"]
 
@@ -300,8 +300,7 @@ def prepare_quantized(model: nn.Module, quantization: Quantization, trains: bool
 
 def quantized(model: nn.Module) -> bool:
     """Whether any weight of ``model`` is one bitsandbytes quantized (nbmem's, or the user's own)."""
-    return any(getattr(parameter, "quant_state", None) is not None or getattr(parameter, "SCB", None) is not None
-               or type(parameter).__module__.startswith("bitsandbytes.") for parameter in model.parameters())
+    return any(quantized_weight(parameter, "bitsandbytes") for parameter in model.parameters())
 
 
 def classify_quantization_state(model: nn.Module, classify: Callable[[torch.Tensor, str], None]) -> None:
@@ -394,7 +393,7 @@ def kbit_casts(model: nn.Module, notes: list[str], cast: bool = True) -> None:
         return
     widened = 0
     for parameter in model.parameters():
-        if parameter.dtype in (torch.float16, torch.bfloat16) and not _is_4bit(parameter):
+        if parameter.dtype in (torch.float16, torch.bfloat16) and not quantized_weight(parameter, "4bit"):
             parameter.data = parameter.data.to(torch.float32)
             widened += parameter.numel()
     notes.append("peft's prepare_model_for_kbit_training casts: every parameter frozen before the adapters, and "
@@ -402,11 +401,6 @@ def kbit_casts(model: nn.Module, notes: list[str], cast: bool = True) -> None:
                     "Quantization(..., kbit_casts=False) leaves them" if widened else
                     "nothing to cast to fp32: the parameters left unquantized are fp32 already (a model loaded in "
                     "bf16 would have its norms, embeddings and output layer cast)"))
-
-
-def _is_4bit(parameter: torch.Tensor) -> bool:
-    # peft tests the class name (Params4bit); an estimate's fake 4-bit weight carries its quant_state instead
-    return type(parameter).__name__ == "Params4bit" or getattr(parameter, "quant_state", None) is not None
 
 
 def parameter_count(model: nn.Module) -> int:
