@@ -326,7 +326,7 @@ def test_help_explains_the_command(capsys):
     with pytest.raises(SystemExit):
         cli.main(["profile", "--help"])
     text = capsys.readouterr().out
-    for phrase in ("--max-peak SIZE", "--output FILE", "--kernel NAME", "--timeout SECONDS", "{auto,cuda,tracked}"):
+    for phrase in ("--max-peak SIZE", "--output FILE", "--kernel NAME", "--timeout SECONDS", "{auto,measured,cuda,tracked}"):
         assert phrase in text
     assert "exit status" in text and "3  a cell's in-use peak went over --max-peak" in text
 

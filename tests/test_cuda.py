@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import nbmem
-from nbmem.tracking.counters import cuda_counter
+from nbmem.tracking.accelerators import device_counter
 
 pytestmark = pytest.mark.cuda
 MiB = 1024**2
@@ -101,7 +101,7 @@ def test_magic_reports_measured_in_a_shell(shell, device):
     text = captured.outputs[0].data["text/plain"]
     assert f"measured on {device}" in text and "reserved" in text and "free of" in text
     assert nbmem.history(shell)[-1].retained == 4 * MiB
-    assert len(cuda_counter(device.index).scopes) == 0
+    assert len(device_counter(device).scopes) == 0
 
 
 def quickstart_model(device):

@@ -199,7 +199,7 @@ def test_unload_while_every_cell_is_on_stops_tracking(shell):
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ("%%gpumem --backend bogus\n1", "use one of auto, cuda, tracked"),
+        ("%%gpumem --backend bogus\n1", "use one of auto, measured, cuda, tracked"),
         ("%%gpumem --nonsense\n1", "unrecognized arguments"),
         ("%%gpumem on\n1", "takes only options"),
         ("%gpumem", "needs an action"),

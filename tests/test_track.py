@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import nbmem
 from nbmem.tracking import counters
+from nbmem.tracking.accelerators import DeviceCounter
 from nbmem.tracking import scope as scope_module
 from nbmem.tracking.scope import MemoryScope
 from nbmem.tracking.tracker import Tracker, default_tracker
@@ -385,12 +386,12 @@ def test_a_tracker_of_ones_own_is_a_fresh_device_without_the_process_baseline():
 
 
 def test_an_estimate_between_two_cells_leaves_the_next_baseline_whole():
-    """An estimate pauses the garbage collector: it must not move objects between generations.
+    """An estimate sets older objects aside from the collector (``gc.freeze()``), and gives them back.
 
-    With ``gc.freeze()`` (tried first) every object went to the oldest
-    generation when the estimate ended, where the next scope's walk of the
-    young generations did not look: a tensor made after the last walk was
-    missed, and its free inside the cell never counted.
+    Given back, every object is in the oldest generation, where the next
+    scope's walk of the young generations does not look: a tensor made after
+    the last walk was missed, and its free inside the cell never counted,
+    until the thaw made the next walk whole.
     """
     with nbmem.track("cpu"):
         pass  # a walk: the default tracker's stamp
@@ -446,7 +447,7 @@ def test_device_queries_are_numbered_by_no_tracker():
     assert carried[1] == ops(carried=False, fake=False)[1] == 37888  # and a real run's peak
 
 
-class _StandInCuda(counters.CudaCounter):
+class _StandInCuda(DeviceCounter):
     """Measured mode's code path without a GPU: a CUDA counter over allocations the test makes by hand.
 
     Its figures move as the caching allocator's do, so that a scope reading
@@ -460,7 +461,7 @@ class _StandInCuda(counters.CudaCounter):
     SEGMENT = 2 * MiB
 
     def __init__(self, allocated: int = 0) -> None:
-        self.index = 0
+        self.index, self.device, self.cuda, self.missing = 0, torch.device("cuda", 0), True, ()
         self.scopes = counters.PeakScopes(self)
         self.now = self.peak = 0
         self.held = self.held_peak = 0
@@ -505,10 +506,10 @@ class _StandInCuda(counters.CudaCounter):
 
 @pytest.fixture
 def stand_in_cuda(monkeypatch) -> _StandInCuda:
-    """Measured mode on "cuda:0" with the stand-in counter, 3 MiB already allocated (the one counter, as cuda_counter's)."""
+    """Measured mode on "cuda:0" with the stand-in counter, 3 MiB already allocated (the one counter, as device_counter's)."""
     counter = _StandInCuda(allocated=3 * MiB)
     monkeypatch.setattr(scope_module, "resolve_backend", lambda backend="auto", device=None: ("measured", torch.device("cuda", 0)))
-    monkeypatch.setattr(scope_module, "cuda_counter", lambda index: counter)
+    monkeypatch.setattr(scope_module, "device_counter", lambda device: counter)
     return counter
 
 

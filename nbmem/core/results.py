@@ -73,6 +73,16 @@ class Breakdown:
             rows.append(("by module", modules))
         return rows
 
+def allocator_of(device: str) -> str:
+    """Whose counters a measurement on ``device`` read: "the CUDA caching allocator", "the mps allocator"...
+
+    >>> allocator_of("cuda:0"), allocator_of("xpu:1")
+    ('the CUDA caching allocator', 'the xpu allocator')
+    """
+    kind = device.partition(":")[0]
+    return "the CUDA caching allocator" if kind == "cuda" else f"the {kind} allocator"
+
+
 #: What each mode means, in the words every report uses.
 MODES: dict[str, str] = {
     "measured": "measured by the CUDA caching allocator",
@@ -113,9 +123,9 @@ def lines_table(lines: Sequence[LineUsage], limit: int = 12) -> list[str]:
 
 
 def _device_index(device: str) -> int:
-    """``"cuda:1"`` -> 1; any other device (a tracked CPU run stands for a GPU) -> 0."""
+    """``"cuda:1"`` (or any accelerator's ``"xpu:1"``) -> 1; the cpu (a tracked run stands for a GPU) -> 0."""
     _, _, index = device.partition(":")
-    return int(index) if device.startswith("cuda") and index.isdigit() else 0
+    return int(index) if not device.startswith("cpu") and index.isdigit() else 0
 
 
 #: The line a result's text and HTML lead with when its figures may not be the compiled code's.
@@ -231,7 +241,7 @@ class MemoryResult:
         """One phrase saying how the figures were obtained and on which device."""
         where = f"{self.device} ({self.device_name})" if self.device_name else self.device
         if self.mode == "measured":
-            return f"measured on {where} by the CUDA caching allocator"
+            return f"measured on {where} by {allocator_of(self.device)}"
         return MODES["tracked"].format(device=where)
 
     # -- text -------------------------------------------------------------

@@ -158,7 +158,7 @@ def _built(factory: Callable[[], Any], fake_mode: Any, device: torch.device, not
         raise
     if not isinstance(built, nn.Module):
         raise ValueError(f"the model factory must return a torch.nn.Module, got {type(built).__name__}")
-    return built.to(device) if device.type == "cuda" else built
+    return built.to(device) if device.type != "cpu" else built
 
 
 def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, why: str) -> nn.Module:
@@ -527,5 +527,5 @@ def _own_checkpointing(model: nn.Module, extra: dict[str, Any] | None = None) ->
 
 
 def default_device(device: torch.device) -> Any:
-    """Factories called inside build on ``device`` (a CUDA run builds the model and batch there directly)."""
-    return device if device.type == "cuda" else contextlib.nullcontext()
+    """Factories called inside build on ``device`` (a measured run builds the model and batch there directly)."""
+    return device if device.type != "cpu" else contextlib.nullcontext()

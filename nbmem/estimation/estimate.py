@@ -48,6 +48,8 @@ from .result import Estimate
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
+from ..tracking.accelerators import device_counter
+from ..tracking.live import older_objects_unscanned
 from ..tracking.scope import MemoryScope, tracker_alongside_note
 from .step import run_step
 from .tasks import CacheRecord, check_generator, run_generate, run_inference, sized_batch, task_notes
@@ -59,7 +61,7 @@ from .userstep import (
     step_label,
     user_step_notes,
 )
-from .fakemode import FastKeyFakeTensorMode, older_objects_unscanned
+from .fakemode import FastKeyFakeTensorMode
 from ..tracking.tracker import Tracker
 from ..core.units import format_bytes
 
@@ -247,8 +249,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     feed: WithWorkspaces | None = None  # the allocator simulations, tensors' and with workspaces (not measured)
     workspaces = workspaces_for(label if plan.device is not None else None, task)
     if mode == "measured":
-        scope = functools.partial(MemoryScope, backend="cuda", device=run_on, breakdown=True)
-        before = (torch.cuda.memory_allocated(run_on), torch.cuda.memory_reserved(run_on))
+        scope = functools.partial(MemoryScope, backend="measured", device=run_on, breakdown=True)
+        counter = device_counter(run_on)
+        before = (counter.allocated(), counter.reserved() or 0)
     else:
         from ..core.allocator import CachingAllocatorSimulation, StepRecording, settle
 

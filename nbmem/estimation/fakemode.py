@@ -19,10 +19,8 @@ Where PyTorch's metadata fields are not the ones this was written against
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import weakref
 from typing import Any
@@ -37,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..tracking.dispatch import SKIPS_BY_CODE, after_op, before_op, skip_dynamo
 
-__all__ = ["new_fake_mode", "FastKeyFakeTensorMode", "older_objects_unscanned"]
+__all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
 
 #: TensorMetadata's fields in torch 2.13 (torch/_subclasses/fake_tensor.py): the
 #: order _flatten_into appends them in, which _flatten_dense follows.
@@ -471,28 +469,3 @@ def _autograd_started_outside_fake_mode() -> None:
     with _disable_current_modes():
         leaf = torch.zeros(1, requires_grad=True)
         leaf.sum().backward()
-
-
-@contextlib.contextmanager
-def older_objects_unscanned() -> Any:
-    """Python's cyclic garbage collector leaves the objects that existed before alone until the block ends.
-
-    An estimate makes hundreds of thousands of small objects (fake tensors,
-    cache keys), enough to start a full collection, which scans every
-    object of the process: about 0.3 s of a 7B QLoRA estimate, scanning the
-    500,000 objects that torch, transformers and the notebook had made
-    before it. ``gc.freeze()`` sets those aside for the block, and
-    ``gc.unfreeze()`` gives them back: nothing is collected that would not
-    be, the objects the estimate makes are collected as they always are (a
-    fake tensor's lifetime is unchanged), and no collection is forced. Where
-    something has frozen objects already (a caller, or an enclosing
-    estimate), this leaves them as they are.
-    """
-    if gc.get_freeze_count() > 0 or not gc.isenabled():
-        yield
-        return
-    try:
-        gc.freeze()
-        yield
-    finally:
-        gc.unfreeze()

@@ -343,9 +343,12 @@ def run_device(mode: str) -> torch.device:
         )
     if mode != "measured":
         return torch.device("cpu")
-    if not torch.cuda.is_available():
+    from ..tracking.accelerators import current_device
+
+    device = current_device()
+    if device is None:
         raise ValueError(
-            "mode 'measured' runs the step on a CUDA device and none is available here: use mode='tracked' "
-            "(a real run on this CPU, every tensor accounted) or 'estimated'"
+            "mode 'measured' runs the step on a CUDA device (or another accelerator) and none is available here: use "
+            "mode='tracked' (a real run on this CPU, every tensor accounted) or 'estimated'"
         )
-    return torch.device("cuda", torch.cuda.current_device())
+    return device

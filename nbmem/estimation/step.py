@@ -93,7 +93,7 @@ def prepared_batch(
         batch = batch_fn(batch_size)
         if checked:
             batch = checked_batch(batch, batch_size)
-    if device.type == "cuda":
+    if device.type != "cpu":
         batch = moved_to(batch, device)
     if precision.endswith("-weights"):
         batch = cast_floats(batch, torch.bfloat16 if precision.startswith("bf16") else torch.float16)

@@ -210,7 +210,8 @@ examples:
         choices=BACKEND_CHOICES,
         default="auto",
         help=(
-            "auto: measure with CUDA statistics when the kernel has a GPU, else track; cuda: require a GPU; "
+            "auto: measure with the allocator's statistics when the kernel has a GPU (or another accelerator), "
+            "else track; measured: require an accelerator; cuda: require a CUDA GPU; "
             "tracked: count tensors on any device (default: auto). Cells the notebook itself measures "
             "with %%%%gpumem or under `%%gpumem on --backend ...` use the backend they ask for."
         ),

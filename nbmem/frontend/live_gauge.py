@@ -191,14 +191,14 @@ def virtual_label(scope: "MemoryScope") -> str:
 
 
 def capacity_of(scope: "MemoryScope") -> int | None:
-    """What a gauge's readings are a share of: the virtual capacity, else the CUDA device's memory, else None.
+    """What a gauge's readings are a share of: the virtual capacity, else the device's memory (where its backend says), else None.
 
     Read on the cell's thread when the gauge starts, not on every tick.
     """
     if scope.capacity is not None:
         return scope.capacity
     if scope.mode == "measured":
-        import torch
+        from ..tracking.accelerators import device_counter
 
-        return int(torch.cuda.get_device_properties(scope.device).total_memory)
+        return device_counter(scope.device).total_memory()
     return None

@@ -119,11 +119,13 @@ class GpuMemMagics(Magics):
         help="a virtual device: a size (16GiB, 512MiB) or a preset (T4, A100-40GB, ...); "
         "an allocation beyond it raises torch.OutOfMemoryError",
     )
-    @argument("--device", default=None, help="device to measure: cuda:N, cuda or cpu (default: current CUDA device, else cpu)")
+    @argument("--device", default=None, help="device to measure: cuda:N, cuda, an accelerator's (mps, xpu:N) or cpu "
+              "(default: the current accelerator device, else cpu)")
     @argument(
         "--backend",
         default="auto",
-        help="auto (CUDA statistics when there is a GPU, else tracked), cuda, or tracked (count tensors, any device)",
+        help="auto (the allocator's statistics when there is a GPU or other accelerator, else tracked), measured "
+        "(require an accelerator), cuda (require CUDA), or tracked (count tensors, any device)",
     )
     @argument(
         "--engine",
@@ -140,7 +142,7 @@ class GpuMemMagics(Magics):
         Usage, on a cell::
 
           %%gpumem [-o] [-q] [--text] [--no-live] [--breakdown] [--timeline] [--lines] [--snapshot FILE] [--capacity SIZE_OR_PRESET]
-                   [--free-on-oom] [--device DEVICE] [--backend {auto,cuda,tracked}] [--engine {auto,dispatch,native}]
+                   [--free-on-oom] [--device DEVICE] [--backend {auto,measured,cuda,tracked}] [--engine {auto,dispatch,native}]
 
         and as a line::
 
@@ -154,9 +156,10 @@ class GpuMemMagics(Magics):
         the :class:`~nbmem.History`, or what ``free`` gave back), so it lands
         in ``Out``; ``-q``/``--quiet`` shows nothing (measured cells still go
         to the history); ``--text`` prints plain text instead of the widget.
-        ``--device`` picks the device (``cuda:N``, ``cuda`` or ``cpu``;
-        default: the current CUDA device, else the CPU) and ``--backend`` how
-        to count (``auto``, ``cuda`` or ``tracked``). Tracked on the CPU,
+        ``--device`` picks the device (``cuda:N``, ``cuda``, another
+        accelerator's such as ``mps`` or ``xpu:N``, or ``cpu``; default: the
+        current accelerator device, else the CPU) and ``--backend`` how to
+        count (``auto``, ``measured``, ``cuda`` or ``tracked``). Tracked on the CPU,
         ``--engine native`` counts the CPU allocator's blocks in C++
         instead of seeing every op from Python: the cell runs at about its
         untracked speed (the ``dispatch`` engine costs 1.1-1.2x); it
@@ -170,7 +173,9 @@ class GpuMemMagics(Magics):
         (with ``-o``, the result too; the report then still shows).
 
         With a CUDA device the figures are *measured* by PyTorch's caching
-        allocator. Without one (or with ``--backend tracked``) the cell still
+        allocator (with another accelerator, MPS or XPU, by its allocator,
+        through ``torch.accelerator``: a figure its backend does not keep is
+        not shown, and the report says so). Without one (or with ``--backend tracked``) the cell still
         runs and nbmem *tracks* every tensor it makes, reporting the bytes a
         GPU would allocate for them. Each report says which.
 

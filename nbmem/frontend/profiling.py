@@ -45,7 +45,7 @@ __all__ = [
 
 #: Same names as nbmem.tracking.scope.BACKENDS, repeated so that parsing the command
 #: line does not import torch (tests/test_cli.py checks that they agree).
-BACKEND_CHOICES = ("auto", "cuda", "tracked")
+BACKEND_CHOICES = ("auto", "measured", "cuda", "tracked")
 
 #: Runs first in the kernel with store_history=False, so the user's cells keep
 #: the execution counts 1, 2, ... that nbmem's log records. `__import__` leaves

@@ -1,4 +1,4 @@
-"""Nestable peak scopes over a process-wide peak counter, and the CUDA counter.
+"""Nestable peak scopes over a process-wide peak counter (a device's: nbmem.tracking.accelerators; the tracker's).
 
 CUDA keeps one peak counter per device (``torch.cuda.max_memory_allocated``),
 reset by ``torch.cuda.reset_peak_memory_stats``. Two profilers that both reset
@@ -12,11 +12,10 @@ The tracker in :mod:`nbmem.tracking.tracker` is a counter too, so both modes sha
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["PeakCounter", "PeakScopes", "OpenScope", "CudaCounter", "cuda_counter"]
+__all__ = ["PeakCounter", "PeakScopes", "OpenScope"]
 
 
 class PeakCounter(Protocol):
@@ -117,62 +116,3 @@ class PeakScopes:
         for scope in self._open:
             scope.allocated_before += nbytes
             scope.peak_allocated += nbytes
-
-
-class CudaCounter:
-    """The CUDA caching allocator's counters for one device.
-
-    Never initialises CUDA itself: before the process has touched CUDA every
-    figure is zero and there is no peak to reset.
-    """
-
-    def __init__(self, index: int) -> None:
-        import torch
-
-        self._cuda = torch.cuda
-        self.index = index
-        self.scopes = PeakScopes(self)
-
-    def allocated(self) -> int:
-        return self._cuda.memory_allocated(self.index) if self._cuda.is_initialized() else 0
-
-    def reserved(self) -> int:
-        return self._cuda.memory_reserved(self.index) if self._cuda.is_initialized() else 0
-
-    def peak_allocated(self) -> int:
-        return self._cuda.max_memory_allocated(self.index) if self._cuda.is_initialized() else 0
-
-    def peak_reserved(self) -> int:
-        return self._cuda.max_memory_reserved(self.index) if self._cuda.is_initialized() else 0
-
-    def running_figures(self) -> tuple[int, int]:
-        """(allocated, peak allocated) now: the allocator's counters, safe to read from any thread."""
-        if not self._cuda.is_initialized():
-            return 0, 0
-        return self._cuda.memory_allocated(self.index), self._cuda.max_memory_allocated(self.index)
-
-    def reset_peak(self) -> None:
-        if self._cuda.is_initialized():
-            self._cuda.reset_peak_memory_stats(self.index)
-
-    def device_view(self) -> tuple[str | None, int | None, int | None]:
-        """(name, total bytes, free bytes) from the driver, None while CUDA is untouched."""
-        if not self._cuda.is_initialized():
-            return None, None, None
-        free, total = self._cuda.mem_get_info(self.index)
-        return self._cuda.get_device_name(self.index), total, free
-
-    def synchronize(self) -> None:
-        """Wait for the device's queued work, so a wall time includes it."""
-        if self._cuda.is_initialized():
-            self._cuda.synchronize(self.index)
-
-
-@functools.cache
-def cuda_counter(index: int) -> CudaCounter:
-    """The one counter (and scope stack) for CUDA device ``index``.
-
-    Cached on purpose: it mirrors the process-wide counter inside the CUDA
-    allocator, and all of nbmem's scopes on a device must share one stack.
-    """
-    return CudaCounter(index)

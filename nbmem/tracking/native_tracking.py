@@ -96,7 +96,7 @@ class NativeTracker(Activation):
         self._holders: list[object] = []
         self._attribution: Attribution | None = None
         self._refused: dict[int, Any] = {}  # nothing is refused: no virtual capacity here
-        self._walked: tuple[int, int] | None = None
+        self._walked: tuple[int, int, int] | None = None
         self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}  # as Tracker's (see nbmem.tracking.live)
         # the storages a walk met, by storage: (address, token, weak reference, adopted). The
         # references' callbacks (C functions: no Python runs in them, so Ctrl-C can't be swallowed

@@ -25,8 +25,8 @@ Values shown as a cell's output are kept too: ``Out[n]`` (``_oh``), ``_n``,
 ``_``/``__``/``___`` and ``last_execution_result.result``. :func:`free` lets go
 of those that hold tensors, as ``InteractiveShell.del_var`` would.
 
-nbmem calls ``gc.collect()`` and ``torch.cuda.empty_cache()`` only here, when
-the user asks.
+nbmem calls ``gc.collect()`` and the device's ``empty_cache()`` (CUDA's, or
+any accelerator's) only here, when the user asks.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .counters import cuda_counter
+from .accelerators import device_counter
 from .scope import resolve_backend
 from .tracker import default_tracker
 from ..core.units import format_bytes
@@ -168,8 +168,8 @@ def _reclaim(release: Callable[[], list[str]], device: str | torch.device | None
     allocated_before, reserved_before = _figures(mode, where)
     released = release()
     gc.collect()
-    if empty_cache and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    if empty_cache and mode == "measured":
+        device_counter(where).empty_cache()
     allocated_after, reserved_after = _figures(mode, where)
     return Reclaimed(
         device=str(where),
@@ -194,16 +194,12 @@ def _running_shell() -> Any:
 
 
 def _measuring(device: str | torch.device | None) -> tuple[str, torch.device]:
-    if device is None and torch.cuda.is_available():
-        # Reading the current device would initialise CUDA; before that nothing is allocated on any.
-        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
-        return "measured", torch.device("cuda", index)
     return resolve_backend("auto", device)
 
 
 def _figures(mode: str, where: torch.device) -> tuple[int, int | None]:
     if mode == "measured":
-        counter = cuda_counter(where.index)
+        counter = device_counter(where)
         return counter.allocated(), counter.reserved()
     tracker = default_tracker(where)
     if not tracker.active:

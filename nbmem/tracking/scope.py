@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from . import compiled
-from .counters import CudaCounter, OpenScope, cuda_counter
+from .accelerators import DeviceCounter, accelerator_type, current_device, device_count, device_counter
+from .counters import OpenScope
 from .lines import LineCounter, start_lines, stop_lines, usage as line_usage
 from ..core.results import CATEGORIES, Breakdown, MemoryResult
 from ..core.units import format_bytes
@@ -30,8 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryScope", "measure", "track", "resolve_backend", "native_engine", "tracker_alongside_note", "BACKENDS", "ENGINES"]
 
-Backend = Literal["auto", "cuda", "tracked"]
-BACKENDS = ("auto", "cuda", "tracked")
+Backend = Literal["auto", "measured", "cuda", "tracked"]
+BACKENDS = ("auto", "measured", "cuda", "tracked")
 Engine = Literal["auto", "dispatch", "native"]
 #: How tracked mode sees memory: every op through a Python dispatch mode (the
 #: default: exact storages, the op at the peak, virtual capacity, timelines), or
@@ -40,53 +41,56 @@ Engine = Literal["auto", "dispatch", "native"]
 ENGINES = ("auto", "dispatch", "native")
 
 
-def _current_cuda() -> int:
-    """The current CUDA device's index, without initialising CUDA (``current_device()`` does: seen on an H100)."""
-    return torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+#: How messages name a device type.
+_NAMES = {"cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}
 
 
 def resolve_backend(backend: str = "auto", device: str | torch.device | None = None) -> tuple[str, torch.device]:
-    """Decide how to measure: ``("measured", cuda:N)`` or ``("tracked", device)``.
+    """Decide how to measure: ``("measured", device)`` on an accelerator, or ``("tracked", device)``.
 
-    ``auto`` measures on CUDA when a device is available (or named) and tracks
-    otherwise. Raises ValueError saying how to fix a request that can't work.
+    ``auto`` measures on this machine's accelerator (CUDA, ROCm, MPS, XPU,
+    a PrivateUse1 backend: :mod:`nbmem.tracking.accelerators`) when it has
+    one (or one is named) and tracks otherwise; ``measured`` needs one;
+    ``cuda`` needs CUDA. Raises ValueError saying how to fix a request that
+    can't work.
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
-    cuda = torch.cuda.is_available()
+    kind = accelerator_type()
     if device is not None:
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
             raise ValueError(f"can't read device {str(device)!r}: write e.g. 'cuda:0', 'cuda' or 'cpu'") from error
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"nbmem measures 'cuda' and 'cpu' devices, not {device.type!r}")
-    if device is not None and device.type == "cuda":
-        if not cuda:
+        if device.type != "cpu" and device.type != kind:
             raise ValueError(
-                f"no CUDA device is available, so {device} can't be measured: "
-                "drop --device (nbmem then tracks on the cpu) or use --backend tracked --device cpu"
+                f"no {_NAMES.get(device.type, device.type)} device is available, so {device} can't be measured: drop "
+                "--device (nbmem then "
+                "tracks on the cpu) or use --backend tracked --device cpu" if kind is None else
+                f"this machine's accelerator is {kind}, so {device} can't be measured: name '{kind}:N' or drop --device"
             )
-        index = _current_cuda() if device.index is None else device.index
-        if index >= torch.cuda.device_count():
-            raise ValueError(
-                f"{device} does not exist: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                f"cuda:0 to cuda:{torch.cuda.device_count() - 1}"
-            )
-        device = torch.device("cuda", index)
-    if backend == "cuda":
-        if not cuda:
-            raise ValueError("backend 'cuda' needs a CUDA device and none is available: use 'tracked' or 'auto'")
-        if device is not None and device.type != "cuda":
-            raise ValueError(f"backend 'cuda' measures a CUDA device, not {device}: drop --device or name 'cuda:N'")
-        return "measured", device or torch.device("cuda", _current_cuda())
-    if backend == "tracked":
-        if device is None:
-            device = torch.device("cuda", _current_cuda()) if cuda else torch.device("cpu")
-        return "tracked", device
+    if device is not None and device.type != "cpu":
+        current = current_device(device.type)
+        index = current.index if device.index is None and current is not None else device.index or 0
+        count = device_count(device.type)
+        if index >= count:
+            raise ValueError(f"{device} does not exist: this machine has {count} {device.type} device(s), "
+                             f"{device.type}:0 to {device.type}:{count - 1}")
+        device = torch.device(device.type, index)
+    accelerator = current_device(kind) if kind is not None else None
+    if backend in ("cuda", "measured"):
+        wanted = "a CUDA device" if backend == "cuda" else "an accelerator (CUDA, ROCm, MPS, XPU, ...)"
+        if accelerator is None or (backend == "cuda" and kind != "cuda"):
+            raise ValueError(f"backend {backend!r} needs {wanted} and none is available: use 'tracked' or 'auto'")
+        if device is not None and device.type == "cpu":
+            raise ValueError(f"backend {backend!r} measures {wanted}, not the cpu: drop --device or name "
+                             f"'{kind}:N'")
+        return "measured", device or accelerator
     if device is None:
-        device = torch.device("cuda", _current_cuda()) if cuda else torch.device("cpu")
-    return ("measured" if device.type == "cuda" else "tracked"), device
+        device = accelerator or torch.device("cpu")
+    if backend == "tracked":
+        return "tracked", device
+    return ("measured" if device.type != "cpu" else "tracked"), device
 
 
 def tracker_alongside_note(same_without: str) -> str:
@@ -155,8 +159,8 @@ class MemoryScope:
             from ..core.devices import parse_capacity
 
             self.capacity, self.capacity_label = parse_capacity(capacity)
-        self._counter: CudaCounter | Tracker | NativeTracker = (
-            cuda_counter(self.device.index)
+        self._counter: DeviceCounter | Tracker | NativeTracker = (
+            device_counter(self.device)
             if self.mode == "measured"
             else (tracker or default_tracker(self.device))
         )
@@ -165,7 +169,7 @@ class MemoryScope:
         # runs alongside only when asked for, as it slows every op.
         self._tracker: Any = (
             self._counter
-            if not isinstance(self._counter, CudaCounter)
+            if not isinstance(self._counter, DeviceCounter)
             else (default_tracker(self.device) if breakdown or timeline or lines or capacity is not None else None)
         )
         self._timeline = timeline
@@ -291,14 +295,14 @@ class MemoryScope:
             counter, tracker = self._counter, self._tracker
             if tracker is not None and error is not None:
                 tracker.settle()
-            if isinstance(counter, CudaCounter) and error is None:
+            if isinstance(counter, DeviceCounter) and error is None:
                 counter.synchronize()  # the wall time includes the GPU work the block queued
             seconds = time.perf_counter() - self._started
             counted = compiled.calls_since(self._compiled_from)
             self.compiled_calls, self._compiled_eagerly = counted if counted is not None else (None, 0)
             unseen = 0
             refused = error is not None and issubclass(error if isinstance(error, type) else type(error), torch.OutOfMemoryError)
-            if tracker is counter and not isinstance(counter, CudaCounter) and counter.whole_device and not refused:
+            if tracker is counter and not isinstance(counter, DeviceCounter) and counter.whole_device and not refused:
                 # another thread's ops pass no dispatch mode of this thread: count what they left (issue 12).
                 # Not after a virtual out-of-memory error: the refused tensor exists on the CPU, held by
                 # the traceback, but was never allocated on the device.
@@ -345,8 +349,11 @@ class MemoryScope:
             )
         ran_as, said = self._compiled_figures()
         notes += said
-        if isinstance(counter, CudaCounter):
+        if isinstance(counter, DeviceCounter):
             name, capacity, free = counter.device_view()
+            missing = counter.missing_note()
+            if missing:
+                notes.append(missing)
         if self.capacity is not None:
             label = self.capacity_label or format_bytes(self.capacity)
             name, capacity = f"virtual {label}", self.capacity

@@ -133,7 +133,7 @@ class Tracker(Activation):
         self.host: Any = None
         self._attribution: Any = None
         # the garbage collector's count when adopt_live last found every live tensor (see nbmem.tracking.live)
-        self._walked: tuple[int, int] | None = None
+        self._walked: tuple[int, int, int] | None = None
         # leaves that require grad, met by a walk, by id: each walk looks at their .grad (see nbmem.tracking.live)
         self._leaves: dict[int, weakref.ref[torch.Tensor]] = {}
         # who activated the tracker (a MemoryScope, None for a bare activate()): installed while any

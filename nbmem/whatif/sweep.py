@@ -24,6 +24,7 @@ from ..estimation.parallel import check_parallel
 from .progress import Progress, check_progress
 from ..core.units import format_bytes
 from ..estimation.plan import Plan, run_device
+from ..tracking.accelerators import accelerator_type, current_device, device_counter
 
 __all__ = ["sweep", "Comparison", "SweepRow", "AXES", "used_knobs", "real_mode", "run_configuration", "MAX_LAUNCH_RANKS"]
 
@@ -105,7 +106,7 @@ def sweep(
 
     Every configuration is isolated: a fresh model and optimizer, all freed
     (``gc.collect()``) before the next; a measured sweep also returns the
-    cached blocks to CUDA (``torch.cuda.empty_cache()``) between
+    cached blocks to the device (``torch.cuda.empty_cache()``, or its accelerator's) between
     configurations, so each one's reserved peak is its own.
 
     ``alloc_conf`` (a PYTORCH_ALLOC_CONF string; see :func:`nbmem.estimate`)
@@ -278,7 +279,7 @@ def used_knobs(options: dict[str, Any]) -> dict[str, Any]:
 
 def real_mode() -> str:
     """How a real check runs here: measured on the CUDA device when there is one, else tracked on this CPU."""
-    return "measured" if torch.cuda.is_available() else "tracked"
+    return "measured" if accelerator_type() is not None else "tracked"
 
 
 def run_configuration(model: Any, batch: Any, plan: Plan, on_rank: Callable[[int, int], None] | None = None,
@@ -310,4 +311,6 @@ def _isolate(mode: str) -> None:
     """Free what one configuration left, so the next starts from nothing of it."""
     gc.collect()
     if mode == "measured":
-        torch.cuda.empty_cache()
+        device = current_device()
+        if device is not None:
+            device_counter(device).empty_cache()
