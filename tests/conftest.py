@@ -45,6 +45,9 @@ SLOW_DOCTESTS = frozenset({"nbmem.whatif.launcher.launch"})  # forks 2 ranks in 
 #: set to 1 to run the tests marked heavy (.ci/run does)
 HEAVY = "NBMEM_HEAVY"
 
+#: tests/on_device loads a test accelerator that can't be unloaded: only tests/test_on_device.py's own process runs it
+collect_ignore = [] if os.environ.get("NBMEM_ON_DEVICE") == "1" else ["on_device"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:

@@ -26,7 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-__all__ = ["NativeUnavailable", "library", "available", "SOURCE", "cache_dir"]
+__all__ = ["NativeUnavailable", "library", "available", "SOURCE", "cache_dir", "build_shared"]
 
 SOURCE = Path(__file__).with_name("_native") / "allocations.cpp"
 
@@ -43,7 +43,7 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
 
-def _command(compiler: str, output: Path) -> list[str]:
+def _command(compiler: str, source: Path, output: Path) -> list[str]:
     import torch
     from torch.utils import cpp_extension
 
@@ -52,41 +52,49 @@ def _command(compiler: str, output: Path) -> list[str]:
     return [
         compiler, "-O2", "-shared", "-fPIC", "-std=c++20", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{path}" for path in cpp_extension.include_paths()),
-        str(SOURCE), "-o", str(output),
+        str(source), "-o", str(output),
         *(f"-L{path}" for path in libraries), "-lc10", "-ltorch_cpu",
         *(f"-Wl,-rpath,{path}" for path in libraries),
     ]
 
 
-def _build() -> Path:
+def build_shared(source: Path, stem: str, error: type[Exception] = RuntimeError, instead: str = "") -> Path:
+    """``source`` (one C++ file against torch's headers) built into ``$NBMEM_CACHE/<stem>-<key>.so``, or found there.
+
+    The key hashes the source, the torch build and the compiler. Raises
+    ``error`` saying why (no compiler, the compiler's own words) and, where
+    given, ``instead``: what to do then.
+    """
     import torch
 
     compiler = _compiler()
+    tail = f": {instead}" if instead else ""
     if compiler is None:
-        raise NativeUnavailable(
-            "engine 'native' builds a small C++ library once and needs a C++ compiler (g++): install one "
-            "(apt-get install g++) or use engine='dispatch', the default"
-        )
+        raise error(f"building {source.name} needs a C++ compiler (g++): install one (apt-get install g++) or set "
+                    f"$CXX{tail}")
     key = hashlib.sha256(
-        SOURCE.read_bytes() + f"{torch.__version__}|{torch.__file__}|{compiler}".encode()
+        source.read_bytes() + f"{torch.__version__}|{torch.__file__}|{compiler}".encode()
     ).hexdigest()[:16]
-    target = cache_dir() / f"allocations-{key}.so"
+    target = cache_dir() / f"{stem}-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         built = Path(work) / target.name
         try:
-            process = subprocess.run(_command(compiler, built), capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise NativeUnavailable(f"building nbmem's native engine failed ({error}): use engine='dispatch'") from None
+            process = subprocess.run(_command(compiler, source, built), capture_output=True, text=True, timeout=900)
+        except (OSError, subprocess.TimeoutExpired) as failure:
+            raise error(f"building {source.name} failed ({failure}){tail}") from None
         if process.returncode != 0:
-            raise NativeUnavailable(
-                f"building nbmem's native engine with {compiler} failed (exit {process.returncode}); "
-                f"use engine='dispatch'. The compiler said:\n{process.stderr[-2000:]}"
-            )
+            raise error(f"building {source.name} with {compiler} failed (exit {process.returncode}){tail}. The "
+                        f"compiler said:\n{process.stderr[-2000:]}")
         os.replace(built, target)  # atomic: another process building the same key finds a whole file
     return target
+
+
+def _build() -> Path:
+    return build_shared(SOURCE, "allocations", NativeUnavailable,
+                        "engine 'native' builds a small C++ library once; use engine='dispatch', the default")
 
 
 @functools.cache
