@@ -461,7 +461,7 @@ class _StandInCuda(DeviceCounter):
     SEGMENT = 2 * MiB
 
     def __init__(self, allocated: int = 0) -> None:
-        self.index, self.device, self.cuda, self.missing = 0, torch.device("cuda", 0), True, ()
+        self.index, self.device, self.cuda, self._missing = 0, torch.device("cuda", 0), True, ()
         self.scopes = counters.PeakScopes(self)
         self.now = self.peak = 0
         self.held = self.held_peak = 0

@@ -48,6 +48,7 @@ from .result import Estimate
 from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
+from ..core.results import allocator_of
 from ..tracking.accelerators import device_counter
 from ..tracking.live import older_objects_unscanned
 from ..tracking.scope import MemoryScope, tracker_alongside_note
@@ -216,16 +217,6 @@ def estimate(
         raise ValueError(bitsandbytes_message(error, plan.mode)) from error
 
 
-@contextlib.contextmanager
-def _faked(fake_mode: Any) -> Any:
-    """Inside ``fake_mode`` (None: nothing), with the objects made before it left out of the collector's scans."""
-    if fake_mode is None:
-        yield
-        return
-    with older_objects_unscanned(), fake_mode:
-        yield
-
-
 def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan,
                   timeline: bool = False) -> Estimate:
     """:func:`estimate` for a :class:`~nbmem.estimation.plan.Plan` already made (a sweep's, a search's)."""
@@ -267,13 +258,15 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             tracker.host = fake_mode  # one trip into Python per op, not two (FastKeyFakeTensorMode.carry)
         scope = functools.partial(MemoryScope, tracker=tracker)
         before = (0, 0)
-    outer = _faked(fake_mode)
+    outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    # an estimate leaves the objects made before it out of the collector's scans (tracking.live)
+    unscanned = older_objects_unscanned() if fake_mode is not None else contextlib.nullcontext()
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones.
-        with group as mesh, without_onednn(), outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
+        with group as mesh, without_onednn(), unscanned, outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             if plan.quantized is not None:
                 if plan.quantized.library == "bitsandbytes":
@@ -397,8 +390,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes += kernels.notes(steps=2 if task == "train" else 1)
     if mode == "measured":
         notes.append(
-            "measured by CUDA's caching allocator, relative to what was allocated before; it includes the "
-            "cuBLAS/cuDNN workspaces the step allocated through the allocator"
+            f"measured by {allocator_of(str(run_on))}, relative to what was allocated before; it includes the "
+            "workspaces the step's kernels allocated through the allocator (cuBLAS's, cuDNN's on CUDA)"
         )
         notes.append(
             f"reserved (measured) is the allocator's peak less what other tensors held before the step; "

@@ -273,7 +273,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         tensors = [value for value in values if value is not None]
         if func.namespace == "aten" and (not many or not values or len(tensors) < len(values)):
             return result  # PyTorch's own path for an in-place foreach op: it may drop constants it wrote over
-        if (many and not values) or not all(_new_dense(self, tensor, args) for tensor in tensors):
+        inputs = (*args, *(kwargs or {}).values())
+        if (many and not values) or not all(_new_dense(self, tensor, inputs) for tensor in tensors):
             return result
         if len({tensor.untyped_storage()._cdata for tensor in tensors}) == len(tensors):
             _KEPT_OUTPUTS[key] = (type(result) if many else None, tuple(

@@ -73,6 +73,8 @@ def _torchao(model: nn.Module, config: Any, skip: list[str] | None) -> None:
     try:
         quantize_(model, config, filter_fn=converted)
     except AssertionError as error:  # NF4WeightOnlyConfig: a weight of fewer or other values than its blocks take
+        if "divisible" not in str(error):
+            raise
         blocks = getattr(config, "block_size", 64), getattr(config, "scaler_block_size", 256)
         raise ValueError(
             f"torchao's {type(config).__name__} can't quantize layer {chosen[-1] if chosen else '?'!r}: {str(error).strip()}. "

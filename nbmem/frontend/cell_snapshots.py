@@ -16,13 +16,21 @@ from ..core.results import MemoryResult
 from ..tracking.history import AllocatorHistory
 from ..tracking.scope import resolve_backend
 
-__all__ = ["records_history", "start_history", "write_cell_snapshot"]
+__all__ = ["records_history", "records_pytorch_history", "start_history", "write_cell_snapshot"]
 
 
 def records_history(options: Any, cell_number: int | None) -> bool:
-    """Whether this cell's snapshot comes from PyTorch's own history: a folder, a numbered cell, measured."""
-    return (options.snapshots is not None and cell_number is not None
-            and resolve_backend(options.backend, options.device)[0] == "measured")
+    """Whether this cell's snapshot comes from PyTorch's own history: a folder, a numbered cell, measured on CUDA
+    (the only backend that records one)."""
+    return options.snapshots is not None and cell_number is not None and records_pytorch_history(options.backend,
+                                                                                                  options.device)
+
+
+def records_pytorch_history(backend: str, device: Any) -> bool:
+    """Whether a cell measured with these options gets PyTorch's own allocator history: measured on CUDA, the only
+    backend that records one (elsewhere a snapshot is made from nbmem's timeline)."""
+    mode, where = resolve_backend(backend, device)
+    return mode == "measured" and where.type == "cuda"
 
 
 def start_history(folder: str, cell_number: int) -> AllocatorHistory:

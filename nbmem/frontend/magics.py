@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..core import _env
 from . import display
-from .cell_snapshots import records_history, start_history, write_cell_snapshot
+from .cell_snapshots import records_history, records_pytorch_history, start_history, write_cell_snapshot
 from .cells import _CELL_CALL, _cell_expects_compiled, _compiled, _expects_compiled, _is_nbmem_cell
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..tracking.history import AllocatorHistory
@@ -243,8 +243,8 @@ class GpuMemMagics(Magics):
         checked, self.session.compiled = self.session.compiled, None
         body, last = checked[1] if checked and checked[0] == cell else _compiled(shell, cell, count or 0)
         namespace = shell.user_ns
-        # measured on CUDA, --snapshot writes what the allocator itself recorded; tracked, nbmem's storages
-        history = args.snapshot is not None and resolve_backend(args.backend, args.device)[0] == "measured"
+        # measured on CUDA, --snapshot writes what the allocator itself recorded; elsewhere, nbmem's storages
+        history = args.snapshot is not None and records_pytorch_history(args.backend, args.device)
 
         scope = MemoryScope(
             args.backend,

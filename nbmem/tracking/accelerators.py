@@ -45,9 +45,19 @@ def accelerator_type() -> str | None:
             device = generic.current_accelerator(check_available=True)
         except (RuntimeError, TypeError):
             device = None
-        if device is not None:
+        if device is not None and (device.type == "cuda" or _allocator_readable()):
             return str(device.type)
     return "cuda" if torch.cuda.is_available() else None
+
+
+def _allocator_readable() -> bool:
+    """Whether the accelerator's allocator answers torch.accelerator's memory functions (a ``DeviceAllocator``:
+    PyTorch raises for a backend whose allocator is not one, e.g. an older out-of-tree plugin)."""
+    ready = getattr(torch._C, "_accelerator_isAllocatorInitialized", None)
+    try:
+        return ready is None or ready() in (True, False)
+    except RuntimeError:
+        return False
 
 
 def current_device(device_type: str | None = None) -> torch.device | None:
@@ -100,10 +110,17 @@ class DeviceCounter:
         self.cuda = device.type == "cuda"
         self._module: Any = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu, a backend's
         self.scopes = PeakScopes(self)
-        #: The figures this backend can't give (FIGURES' names), found by asking once.
-        self.missing: tuple[str, ...] = () if self.cuda else tuple(
-            name for name, read in zip(FIGURES, self._readers()) if _answer(read) is None
-        )
+        self._missing: tuple[str, ...] | None = () if self.cuda else None
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """The figures this backend can't give (FIGURES' names): asked once its allocator is up (before, every
+        figure reads 0 and says nothing)."""
+        if self._missing is None:
+            if not self._used():
+                return ()
+            self._missing = tuple(name for name, read in zip(FIGURES, self._readers()) if _answer(read) is None)
+        return self._missing
 
     # -- reading ------------------------------------------------------------
 
@@ -112,7 +129,10 @@ class DeviceCounter:
         if self.cuda:
             return bool(torch.cuda.is_initialized())
         ready = getattr(torch._C, "_accelerator_isAllocatorInitialized", None)
-        return bool(ready()) if ready is not None else True
+        try:
+            return bool(ready()) if ready is not None else True
+        except RuntimeError:  # not a DeviceAllocator: nothing torch.accelerator can read
+            return False
 
     def _readers(self) -> tuple[Callable[[], Any], ...]:
         index, module = self.index, self._module

@@ -58,12 +58,11 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import itertools
 import sys
 import weakref
-from typing import Any, Iterator
+from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -89,8 +88,7 @@ def collections_stamp() -> tuple[int, int, int] | None:
     return stats[1]["collections"], stats[2]["collections"], _THAWS
 
 
-@contextlib.contextmanager
-def older_objects_unscanned() -> Iterator[None]:
+class older_objects_unscanned:
     """Python's cyclic garbage collector leaves the objects that existed before alone until the block ends.
 
     An estimate makes hundreds of thousands of small objects (fake tensors,
@@ -106,19 +104,27 @@ def older_objects_unscanned() -> Iterator[None]:
     :func:`collections_stamp`, so the next walk is whole. Where something
     has frozen objects already (a caller, an enclosing estimate), or the
     collector is off, this does nothing.
+
+    A class, not a generator: ``gc.freeze()`` is the last thing ``__enter__``
+    does, so no Ctrl-C can land between it and the ``with`` statement taking
+    on ``__exit__`` (a generator's ``__enter__`` runs more Python after its
+    ``yield``, where one could, and the freeze would outlive the block).
     """
-    global _THAWS
-    if gc.get_freeze_count() > 0 or not gc.isenabled():
-        yield
-        return
-    try:
-        gc.freeze()
-        yield
-    finally:
-        try:
-            _THAWS += 1  # first: a walk must never trust the young generations once the thaw began
-        finally:
-            gc.unfreeze()
+
+    def __enter__(self) -> None:
+        self._froze = False
+        if gc.get_freeze_count() == 0 and gc.isenabled():
+            self._froze = True
+            gc.freeze()
+
+    def __exit__(self, *exc_info: object) -> None:
+        global _THAWS
+        if self._froze:
+            self._froze = False
+            try:
+                _THAWS += 1  # first: a walk must never trust the young generations once the thaw began
+            finally:
+                gc.unfreeze()
 
 
 def live_tensors(young: bool = False) -> list[torch.Tensor]:

@@ -57,16 +57,17 @@ def resolve_backend(backend: str = "auto", device: str | torch.device | None = N
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     kind = accelerator_type()
+    # torch.accelerator prefers an out-of-tree (PrivateUse1) backend to CUDA when both are there; CUDA stays measurable
+    cuda = kind == "cuda" or torch.cuda.is_available()
     if device is not None:
         try:
             device = torch.device(device)
         except (RuntimeError, TypeError) as error:
             raise ValueError(f"can't read device {str(device)!r}: write e.g. 'cuda:0', 'cuda' or 'cpu'") from error
-        if device.type != "cpu" and device.type != kind:
+        if device.type != "cpu" and device.type != kind and not (device.type == "cuda" and cuda):
             raise ValueError(
                 f"no {_NAMES.get(device.type, device.type)} device is available, so {device} can't be measured: drop "
-                "--device (nbmem then "
-                "tracks on the cpu) or use --backend tracked --device cpu" if kind is None else
+                "--device (nbmem then tracks on the cpu) or use --backend tracked --device cpu" if kind is None else
                 f"this machine's accelerator is {kind}, so {device} can't be measured: name '{kind}:N' or drop --device"
             )
     if device is not None and device.type != "cpu":
@@ -78,13 +79,16 @@ def resolve_backend(backend: str = "auto", device: str | torch.device | None = N
                              f"{device.type}:0 to {device.type}:{count - 1}")
         device = torch.device(device.type, index)
     accelerator = current_device(kind) if kind is not None else None
+    if backend == "cuda" and cuda:
+        accelerator = current_device("cuda")
     if backend in ("cuda", "measured"):
         wanted = "a CUDA device" if backend == "cuda" else "an accelerator (CUDA, ROCm, MPS, XPU, ...)"
-        if accelerator is None or (backend == "cuda" and kind != "cuda"):
+        if accelerator is None or (backend == "cuda" and not cuda):
             raise ValueError(f"backend {backend!r} needs {wanted} and none is available: use 'tracked' or 'auto'")
-        if device is not None and device.type == "cpu":
-            raise ValueError(f"backend {backend!r} measures {wanted}, not the cpu: drop --device or name "
-                             f"'{kind}:N'")
+        named = "cuda" if backend == "cuda" else kind
+        if device is not None and device.type != named:
+            raise ValueError(f"backend {backend!r} measures {wanted}, not {device}: drop --device or name "
+                             f"'{named}:N'")
         return "measured", device or accelerator
     if device is None:
         device = accelerator or torch.device("cpu")

@@ -183,3 +183,21 @@ def test_requests_this_machine_cant_serve_say_what_to_do():
         nbmem.measure(device="cuda:0")
     with pytest.raises(ValueError, match="nbmemdev:3 does not exist: this machine has 1 nbmemdev device"):
         nbmem.measure(device="nbmemdev:3")
+
+
+def test_a_snapshot_of_a_cell_measured_off_cuda_comes_from_nbmems_timeline(shell, tmp_path):
+    """Only CUDA records PyTorch's allocator history: on another accelerator --snapshot writes nbmem's own."""
+    path = tmp_path / "cell.pickle"
+    shell.run_cell("import torch")
+    assert shell.run_cell(f"%%gpumem -q --snapshot {path}\nx = torch.empty(1000, device='nbmemdev')").success
+    loaded = nbmem.load_snapshot(path)
+    assert nbmem.history(shell)[-1].mode == "measured"
+    assert loaded.result().retained == 4096
+    shell.run_cell("del x")
+
+
+def test_backend_cuda_names_only_cuda_devices():
+    with pytest.raises(ValueError, match="backend 'cuda' needs a CUDA device"):
+        resolve_backend("cuda", "nbmemdev:0")
+    with pytest.raises(ValueError, match="backend 'measured' measures an accelerator .*, not cpu"):
+        resolve_backend("measured", "cpu")
