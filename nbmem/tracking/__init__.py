@@ -1,6 +1,7 @@
 """Measuring and tracking: what a real run holds, seen while it runs.
 
-Peak counters, the CUDA one included (:mod:`.counters`); the tracked mode's two
+Nestable peak scopes over a counter (:mod:`.counters`), and the devices'
+own counters, CUDA's and every other accelerator's (:mod:`.accelerators`); the tracked mode's two
 engines, a dispatch mode (:mod:`.tracker`, :mod:`.dispatch`) and the CPU
 allocator wrapped in C++ (:mod:`.native`, :mod:`.native_tracking`, ``_native/``);
 what they install and how it comes out again (:mod:`.installed`); attribution
