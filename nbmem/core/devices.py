@@ -63,6 +63,8 @@ class DevicePreset:
     source: str
     #: "reported" (PyTorch or driver output quoted in the source) or "nominal".
     source_kind: Literal["reported", "nominal"]
+    #: The device type PyTorch runs it as: "cuda" (NVIDIA; ROCm's GPUs too), "xpu" (Intel).
+    backend: str = "cuda"
 
     def __str__(self) -> str:
         if self.source_kind == "reported":
@@ -244,6 +246,16 @@ _TABLE = (
             "deploy/modal/src/llm/vllm/vlm/skywork_r1v.py"
         ),
         source_kind="reported",
+    ),
+    # Intel Arc A770 16GB, run by PyTorch as "xpu": its own OOM message, "GPU 0 has a total capacity of 15.11 GiB",
+    # also in intel/intel-xpu-backend-for-triton#7477 and intel/intel-extension-for-pytorch#863.
+    DevicePreset(
+        name="Arc-A770-16GB",
+        capacity=_gib(15.11),
+        nominal="16 GB GDDR6",
+        source="https://github.com/intel/intel-extension-for-pytorch/issues/846",
+        source_kind="reported",
+        backend="xpu",
     ),
 )
 
