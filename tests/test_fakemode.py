@@ -440,3 +440,44 @@ def test_objects_someone_else_froze_stay_frozen_through_an_estimate():
         assert frozen - 1000 < gc.get_freeze_count() <= frozen and 0 < frozen - 1000 < min(model.seen) <= max(model.seen) <= frozen
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize("loss", ["mse_loss", "smooth_l1_loss", "soft_margin_loss", "l1_loss", "huber_loss"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("shapes, dtype", [(((32, 10), (32, 10)), torch.float32), (((8, 3, 5), (8, 3, 5)), torch.bfloat16)])
+def test_a_reduced_loss_keeps_the_storage_atens_kernel_gives_it(loss, reduction, shapes, dtype):
+    """mse_loss and two others reduce into their elementwise buffer: the scalar's storage is the buffer's."""
+    function = getattr(torch.nn.functional, loss)
+    real = function(torch.randn(shapes[0], dtype=dtype), torch.randn(shapes[1], dtype=dtype).sign(), reduction=reduction)
+    with FastKeyFakeTensorMode() as mode:
+        inputs = torch.empty(shapes[0], dtype=dtype), torch.empty(shapes[1], dtype=dtype)
+        fake = function(*inputs, reduction=reduction)
+        again = function(*inputs, reduction=reduction)  # a second time: from the cache, the same
+    assert type(fake).__name__ == "FakeTensor" and fake.fake_mode is mode
+    for made in (fake, again):
+        assert (made.shape, made.dtype) == (real.shape, real.dtype)
+        assert made.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+    kept = loss in ("mse_loss", "smooth_l1_loss", "soft_margin_loss") and reduction != "none"
+    assert (real.untyped_storage().nbytes() > real.element_size()) == (kept or reduction == "none")
+
+
+def test_an_mse_step_is_estimated_as_a_tracked_run_holds_it():
+    import nbmem
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 64), torch.randn(n, 10)  # float targets: the built-in step's MSE
+
+    def holding_the_loss(model, batch, optimizer):
+        loss = torch.nn.functional.mse_loss(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()  # the loss, and the 32 x 10 buffer under it, alive through the step
+        optimizer.zero_grad()
+
+    for step in (None, holding_the_loss):
+        figures = {mode: nbmem.estimate(build, make, batch_size=32, optimizer="sgd", mode=mode, step=step)
+                   for mode in ("estimated", "tracked")}
+        assert (figures["estimated"].first_step, figures["estimated"].steady) == (
+            figures["tracked"].first_step, figures["tracked"].steady)

@@ -110,9 +110,7 @@ def test_max_batch_size_is_verified_on_both_sides():
     assert accumulated.batch_size < found.batch_size and accumulated.effective_batch == 4 * accumulated.batch_size
 
 
-def test_max_batch_size_corrects_a_wrong_prediction_with_real_trials():
-    # CPU's mse_loss keeps a batch-sized buffer under its scalar result, which
-    # the fake (meta) kernel does not: the estimate is a little optimistic
+def test_max_batch_size_verifies_its_prediction_with_real_trials():
     found = nbmem.max_batch_size(classify_build, make, device="8MiB")
     trials = dict(found.trials)
     assert trials[found.batch_size] is not None and trials[found.batch_size + 1] is None

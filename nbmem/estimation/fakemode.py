@@ -71,6 +71,9 @@ _DEVICE = torch.ops.prim.device.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
+#: Losses whose reduced scalar keeps the unreduced buffer's storage (see FastKeyFakeTensorMode._reduced_in_place).
+_REDUCED_IN_PLACE = frozenset({torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+                               torch.ops.aten.soft_margin_loss.default})
 _META = torch.device("meta")
 _get_dispatch_mode, _FAKE_KEY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
@@ -177,6 +180,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             lifted = self._lifted(args[0])
             if lifted is not None:
                 return lifted
+        if func in _REDUCED_IN_PLACE and self.shape_env is None:
+            return self._reduced_in_place(func, types, args, kwargs)
         if func is _UNSAFE_VIEW and self.shape_env is None:
             # fake_impls answers _unsafe_view with the very function it answers view with, but PyTorch's cache
             # refuses _unsafe_view ("unsafe view": 150 us each through _reshape_view_helper, 2,306 in a 7B QLoRA
@@ -210,6 +215,29 @@ class FastKeyFakeTensorMode(FakeTensorMode):
                 if func.namespace in _KEPT_NAMESPACES or func.name().startswith("aten::_foreach_"):
                     return self._kept(key, func, types, args, kwargs)
         return super().dispatch(func, types, args, kwargs if kwargs is not None else {})
+
+    def _reduced_in_place(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+        """A loss ATen reduces into its elementwise buffer: the scalar holds that buffer's storage, as a real one does.
+
+        ``mse_loss``, ``smooth_l1_loss`` and ``soft_margin_loss`` with a mean
+        or sum reduction return a 0-dim tensor whose storage holds one value
+        per input element: ATen's structured kernel allocates its output at
+        the inputs' broadcast size, then resizes it to a scalar, which keeps
+        the storage (Loss.cpp, the same code on CPU and CUDA; on the CPU:
+        1,280 B behind the loss of a 32 x 10 input, where PyTorch's meta
+        function makes 4 B). It lives as long as the loss (through
+        backward), and so here. Untested on CUDA (the test device, whose
+        kernels are the CPU's, showed it).
+        """
+        out = super().dispatch(func, types, args, kwargs or {})
+        reduction = (kwargs or {}).get("reduction", args[2] if len(args) > 2 else 1)
+        if reduction == 0 or not isinstance(out, FakeTensor) or out.dim() != 0:
+            return out
+        values = torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
+        with torch._C._DisableTorchDispatch():
+            buffer = torch.empty((max(values, 1),), dtype=out.dtype, device=_META)
+            scalar = buffer.as_strided((), (), 0)
+        return self._fake_tensor(scalar, out.fake_device)
 
     def _lifted(self, real: torch.Tensor) -> FakeTensor | None:
         """``torch.tensor(number)`` under this mode: a fake tensor holding a copy of the real one as its constant.
