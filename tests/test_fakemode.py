@@ -481,3 +481,15 @@ def test_an_mse_step_is_estimated_as_a_tracked_run_holds_it():
                    for mode in ("estimated", "tracked")}
         assert (figures["estimated"].first_step, figures["estimated"].steady) == (
             figures["tracked"].first_step, figures["tracked"].steady)
+
+
+def test_nbmems_own_cache_of_kept_outputs_never_grows_past_its_limit(monkeypatch):
+    from nbmem.estimation import fakemode
+
+    cache: dict = {}
+    monkeypatch.setattr(fakemode, "_KEPT_OUTPUTS", cache)
+    monkeypatch.setattr(fakemode, "KEPT_LIMIT", 3)
+    with FastKeyFakeTensorMode():
+        for size in range(1, 8):  # seven shapes, seven keys
+            torch._foreach_sqrt([torch.empty(size)])
+            assert 1 <= len(cache) <= 3

@@ -305,6 +305,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         if (many and not values) or not all(_new_dense(self, tensor, inputs) for tensor in tensors):
             return result
         if len({tensor.untyped_storage()._cdata for tensor in tensors}) == len(tensors):
+            if len(_KEPT_OUTPUTS) >= KEPT_LIMIT:  # bitsandbytes' optimizer updates key on the step count: no end
+                _KEPT_OUTPUTS.clear()
             _KEPT_OUTPUTS[key] = (type(result) if many else None, tuple(
                 None if value is None else _OutputInfo(None, _INTERNALS["extract_tensor_metadata"](value), None)
                 for value in values
@@ -418,6 +420,8 @@ skip_dynamo(FastKeyFakeTensorMode.__torch_dispatch__)
 #: The outputs of ops PyTorch won't cache, by PyTorch's cache key: the container type (None: one value) and each
 #: output's metadata (None: a None output), as PyTorch's own cache holds them (FakeTensorMode.cache).
 _KEPT_OUTPUTS: dict[Any, tuple[Any, tuple[Any, ...]]] = {}
+#: At most this many entries in _KEPT_OUTPUTS: the whole cache is dropped when full (refilled as ops recur).
+KEPT_LIMIT = 4096
 #: The libraries whose ops nbmem caches though PyTorch doesn't (their fake functions read only what the key holds).
 _KEPT_NAMESPACES = frozenset({"bitsandbytes"})
 
