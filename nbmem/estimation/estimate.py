@@ -40,7 +40,7 @@ from .building import (
 from .low_bit import TORCHAO_OPTIM, prepare_low_bit
 from .optimizers import in_backward, library_optimizer, optimizer_factory, target_optimizer_kwargs
 from .workspaces import WithWorkspaces, workspaces_for
-from .parallel import fsdp_units, parallelize, process_group
+from .parallel import fsdp_family, fsdp_units, host_figures, host_note, offload_to_host, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
 from .quantized_kernels import QuantizedKernels
 from .quantized_layers import follow_cuda
@@ -98,6 +98,7 @@ def estimate(
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
+    cpu_offload: bool = False,
     attention: str | None = None,
     quantization: Any = None,
     timeline: bool = False,
@@ -119,7 +120,7 @@ def estimate(
     what was allocated before). ``enforce_capacity=True`` makes a real run
     raise ``torch.OutOfMemoryError`` at the op that crosses ``device``.
 
-    ``parallel`` (``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"fsdp-no-reshard"``;
+    ``parallel`` (``"ddp"``, ``"zero1"``, ``"fsdp"``, ``"fsdp-no-reshard"``, ``"zero2"``, ``"zero3"``;
     see :data:`nbmem.estimation.parallel.STRATEGIES`) with ``world_size`` GPUs gives
     what one GPU holds (rank 0, the largest shard): estimated with PyTorch's
     fake process group, so any world size runs here. ``batch_size`` is per
@@ -128,7 +129,10 @@ def estimate(
     ``mp_policy`` is FSDP2's mixed precision, apart from autocast: ``"bf16"``
     (or ``"fp16"``) gathers parameters and computes in it and reduces
     gradients in fp32, the shards staying fp32; or FSDP2's own
-    ``MixedPrecisionPolicy``.
+    ``MixedPrecisionPolicy``. ``cpu_offload=True`` is FSDP2's CPU offload:
+    the shards, their gradients and the optimizer's step and state stay in
+    host memory, outside the GPU's figures (an estimate's notes say what the
+    host holds).
 
     The step nbmem runs (:mod:`nbmem.estimation.step`), twice (``first_step``, then
     ``steady``): for each micro-batch it makes the batch, runs forward and
@@ -204,7 +208,7 @@ def estimate(
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
         zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy,
-        attention=attention, quantization=quantization,
+        cpu_offload=cpu_offload, attention=attention, quantization=quantization,
     )
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
@@ -280,7 +284,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             if task == "generate":
                 check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
             unit, unit_name = block_rule(network, plan.block)  # before checkpointing wraps the blocks
-            if parallel.startswith("fsdp"):
+            if fsdp_family(parallel):
                 units = len(fsdp_units(network, unit))
                 notes.append(f"FSDP units: each {unit_name} ({units}), then the rest of the model as one; block= "
                              "(a class, its name or a predicate) names another" if units else
@@ -301,7 +305,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=unit, make_optimizer=make_optimizer,
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify, mp_policy=plan.mp_policy,
+                cpu_offload=plan.cpu_offload,
             )
+            if plan.cpu_offload and fake_mode is not None:
+                offload_to_host(network, opt, whole.tracker)
             managed = prepare_low_bit(opt, network, fake_mode, whole.tracker, notes)
             region = policy.region if policy is not None else torch.autocast
             cache = CacheRecord()
@@ -359,6 +366,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                              "allocator simulation, until its segments stopped changing")
             parameters = parameter_count(network)
             trained = watch.close(opt) if watch is not None else None
+            host = host_figures(network, opt) if plan.cpu_offload else None
+            if host is not None:
+                notes.append(host_note(*host))
     except FAKE_ERRORS as error:
         if step is not None:
             raise ValueError(fake_error_message(error, step)) from error
@@ -441,5 +451,6 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         kv_cache=cache.bytes if task == "generate" else None,
         kv_cache_per_token=cache.per_token if task == "generate" else None,
         managed=managed.bytes if managed is not None else None,
+        host=host[0] + host[1] if host is not None else None,
         timeline=whole.result.timeline if timeline and whole.result is not None else None,
     )

@@ -1,10 +1,15 @@
-"""Data parallelism: what each GPU holds under DDP, ZeRO-1 and FSDP2, for N GPUs.
+"""Data parallelism: what each GPU holds under DDP, ZeRO-1/2/3 and FSDP2, for N GPUs.
 
 Data parallelism alone does not shrink what each GPU holds for the model:
 every DDP replica keeps full parameters, gradients (and DDP's gradient
 buckets) and optimizer state. Sharding does: ZeRO-1 shards the optimizer
 state; FSDP2 (``fully_shard``) shards parameters, gradients and optimizer
-state, holding one unit (a repeated block) in full while it runs.
+state, holding one unit (a repeated block) in full while it runs. DeepSpeed's
+ZeRO stages 2 and 3 are estimated as the FSDP2 settings that hold what they
+hold (PyTorch's FSDP documentation pairs them so: SHARD_GRAD_OP is ZeRO-2,
+FULL_SHARD ZeRO-3). With ``cpu_offload=True`` (FSDP2's ``CPUOffloadPolicy``)
+the sharded parameters, their gradients and the optimizer step live in host
+memory: an estimate counts them there (:func:`offload_to_host`), not on the GPU.
 
 nbmem runs PyTorch's own wrappers rather than formulas:
 
@@ -36,7 +41,19 @@ STRATEGIES: dict[str, str] = {
     "fsdp": "FSDP2 fully_shard: parameters, gradients and optimizer state sharded; one block gathered at a time",
     "fsdp-no-reshard": "FSDP2 with reshard_after_forward=False: gathered parameters kept from forward to backward "
     "(ZeRO-2-like)",
+    "zero2": "DeepSpeed ZeRO stage 2, estimated as FSDP2 with reshard_after_forward=False (PyTorch's counterpart): "
+    "gradients and optimizer state sharded, full parameters from forward to backward",
+    "zero3": "DeepSpeed ZeRO stage 3, estimated as FSDP2 fully_shard (PyTorch's counterpart): parameters, gradients "
+    "and optimizer state sharded; one block gathered at a time",
 }
+
+#: The strategies FSDP2 runs, and whether each reshards a unit's parameters after its forward.
+FSDP_RESHARD = {"fsdp": True, "fsdp-no-reshard": False, "zero2": False, "zero3": True}
+
+
+def fsdp_family(parallel: str) -> bool:
+    """Whether ``parallel`` runs as FSDP2 (units, mixed-precision policies and CPU offload apply)."""
+    return parallel in FSDP_RESHARD
 
 
 def check_parallel(parallel: str, world_size: Any) -> None:
@@ -110,7 +127,7 @@ def process_group(parallel: str, world_size: int, *, fake: bool, device_type: st
 
 def _mesh(parallel: str, world_size: int, device_type: str) -> Any:
     # built outside fake tensors: making a mesh reads its rank tensor's values
-    if not parallel.startswith("fsdp"):
+    if not fsdp_family(parallel):
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -128,8 +145,9 @@ def parallelize(
     optimizer_kwargs: dict[str, Any],
     classify: Callable[[torch.Tensor, str], None],
     mp_policy: Any = None,
+    cpu_offload: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Wrap ``model`` as the strategy does and build its optimizer."""
+    """Wrap ``model`` as the strategy does and build its optimizer (FSDP2's CPU offload pinned on a real GPU)."""
     if parallel == "single":
         return model, make_optimizer(model.parameters(), **optimizer_kwargs)
     if parallel in ("ddp", "zero1"):
@@ -143,8 +161,13 @@ def parallelize(
         return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), optimizer_class=optimizer_class, **optimizer_kwargs)
     from torch.distributed.fsdp import fully_shard
 
-    reshard = parallel == "fsdp"
+    reshard = FSDP_RESHARD[parallel]
     policy = {} if mp_policy is None else {"mp_policy": fsdp_mixed_precision(mp_policy)}
+    if cpu_offload:
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        # pinning needs an accelerator; fake tensors have none (and pinned or not, the host holds the same)
+        policy["offload_policy"] = CPUOffloadPolicy(pin_memory=not fake)
     for unit in fsdp_units(model, block):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, **policy)
@@ -172,7 +195,7 @@ def check_mp_policy(policy: Any, parallel: str) -> None:
     """mp_policy= only means something to FSDP, and must be a shorthand or FSDP2's MixedPrecisionPolicy."""
     if policy is None:
         return
-    if not parallel.startswith("fsdp"):
+    if not fsdp_family(parallel):
         raise ValueError(f"mp_policy= is FSDP2's mixed precision, and parallel={parallel!r}: use parallel='fsdp' "
                          "(or precision='bf16' for autocast)")
     if isinstance(policy, str):
@@ -181,6 +204,69 @@ def check_mp_policy(policy: Any, parallel: str) -> None:
                              "torch.distributed.fsdp.MixedPrecisionPolicy")
     elif not hasattr(policy, "param_dtype"):
         raise ValueError(f"mp_policy={policy!r} is not a torch.distributed.fsdp.MixedPrecisionPolicy, 'bf16' or 'fp16'")
+
+
+def check_cpu_offload(cpu_offload: Any, parallel: str, mode: str) -> None:
+    """cpu_offload= is FSDP2's CPU offload: a bool, for an FSDP strategy, estimated or measured."""
+    if cpu_offload is False:
+        return
+    if cpu_offload is not True:
+        raise ValueError(f"cpu_offload must be True or False, got {cpu_offload!r}")
+    if not fsdp_family(parallel):
+        raise ValueError(f"cpu_offload=True is FSDP2's CPU offload (CPUOffloadPolicy), and parallel={parallel!r}: use "
+                         f"one of {', '.join(FSDP_RESHARD)} with world_size=")
+    if mode == "tracked":
+        raise ValueError("cpu_offload=True moves sharded state from the GPU to the host, and a tracked run's device is "
+                         "this CPU, where nothing moves: estimate it (mode='estimated')")
+
+
+def offload_to_host(model: nn.Module, optimizer: torch.optim.Optimizer, tracker: Any) -> None:
+    """An estimate's FSDP2 CPU offload: what the host holds leaves the (CPU-faked) device's figures.
+
+    On a GPU, ``CPUOffloadPolicy`` keeps each sharded parameter on the host and
+    copies it in before its unit's all-gather; each unit's reduce-scattered
+    gradients are copied out as soon as they are made; the optimizer steps on
+    the host. Here every tensor is on the CPU and those copies move nothing, so
+    the tracker is told: shards and gradients (as FSDP hands each over, in its
+    post-accumulate-grad hooks) are moved to the host, and the optimizer's step
+    and state are made there.
+    """
+    for parameter in model.parameters():
+        tracker.moved_to_host(parameter)
+        parameter.register_post_accumulate_grad_hook(lambda shard: tracker.moved_to_host(shard.grad))
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def on_host(*args: Any, **kwargs: Any) -> Any:
+        with tracker.on_host():
+            return step(*args, **kwargs)
+
+    optimizer.step = on_host  # type: ignore[method-assign]  # this optimizer only, for the estimate's life
+
+
+def host_figures(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """What FSDP2's CPU offload keeps in this rank's host memory: (parameter shards, optimizer state, gradient shards
+    from backward to the step), in bytes, unrounded (pinned host memory is not PyTorch's device allocator)."""
+
+    def local(tensor: torch.Tensor) -> int:
+        inner = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard
+        return int(inner.numel() * inner.element_size())
+
+    shards = sum(local(parameter) for parameter in model.parameters())
+    gradients = sum(local(parameter) for parameter in model.parameters() if parameter.requires_grad)
+    state = sum(local(value) for values in optimizer.state.values() for value in values.values()
+                if isinstance(value, torch.Tensor))
+    return shards, state, gradients
+
+
+def host_note(shards: int, state: int, gradients: int) -> str:
+    """:func:`host_figures` in words, for an estimate's notes."""
+    from ..core.units import format_bytes
+
+    return (f"FSDP CPU offload: this rank's host memory holds parameter shards ({format_bytes(shards)}) and optimizer "
+            f"state ({format_bytes(state)}) between steps, and up to {format_bytes(gradients)} of gradient shards "
+            "from backward to the step, outside the GPU figures; each shard's copy to the GPU before its all-gather "
+            "(one unit's parameters / world size, briefly) is not counted")
 
 
 def fsdp_units(model: nn.Module, block: Callable[[nn.Module], bool] | None) -> list[nn.Module]:

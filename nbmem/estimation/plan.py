@@ -37,7 +37,7 @@ from .building import check_block
 from .selective import check_saves, saves_label
 from .step import ZERO_GRAD
 from .finetune import check_trainable, trainable_label
-from .parallel import check_mp_policy, check_parallel, per_device_batch
+from .parallel import check_cpu_offload, check_mp_policy, check_parallel, fsdp_family, per_device_batch
 from .libraries import require_library
 from .quantization import Quantization
 from .optimizers import OPTIMIZERS, known_optimizer, library_optimizer, optimizer_names
@@ -100,6 +100,9 @@ class Plan:
     optimizer_in_backward: bool = False
     #: FSDP2's mixed precision (fully_shard's mp_policy): "bf16"/"fp16" or a MixedPrecisionPolicy; None: fp32 shards.
     mp_policy: Any = None
+    #: FSDP2's CPU offload (fully_shard's offload_policy=CPUOffloadPolicy()): sharded parameters, their gradients and
+    #: the optimizer's step and state in host memory, outside the GPU's figures.
+    cpu_offload: bool = False
     #: A Hugging Face model's attention implementation (attn_implementation): "eager", "sdpa", "flash_attention_2"...
     #: None: the model's own.
     attention: str | None = None
@@ -143,6 +146,7 @@ class Plan:
         self._check_zero_grad()
         self._check_in_backward()
         check_mp_policy(self.mp_policy, self.parallel)
+        check_cpu_offload(self.cpu_offload, self.parallel, self.mode)
         check_attention(self.attention)
         self._check_quantization()
         if self.task != "train" and self.trainable is not None:
@@ -194,9 +198,8 @@ class Plan:
         if library == "transformers":
             return
         reason = ("optimizer_in_backward=True makes one optimizer per parameter" if self.optimizer_in_backward else
-                  f"parallel={self.parallel!r} wraps the optimizer in a sharded one" if self.parallel in ("zero1", "fsdp",
-                                                                                                       "fsdp-no-reshard")
-                  else "")
+                  f"parallel={self.parallel!r} wraps the optimizer in a sharded one"
+                  if self.parallel == "zero1" or fsdp_family(self.parallel) else "")
         if reason:
             raise ValueError(f"optimizer={name!r} is not estimated when {reason} (its state and code maps are set up "
                              "on the optimizer nbmem builds): use 'adamw' there, or leave that option out")
@@ -293,6 +296,8 @@ class Plan:
             words.append(f"weights {self.quantized.method}")
         if self.mp_policy is not None:
             words.append(f"FSDP mixed precision {self.mp_policy if isinstance(self.mp_policy, str) else 'policy given'}")
+        if self.cpu_offload:
+            words.append("CPU offload")
         if self.block is not None:
             words.append(f"block {block_label(self.block)}")
         if not self.allocator.is_default:

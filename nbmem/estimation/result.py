@@ -103,6 +103,9 @@ class Estimate:
     workspaces: Workspaces | None = field(default=None, compare=False)
     #: A paged optimizer's state in CUDA managed memory, outside the allocator (nbmem.estimation.low_bit); None: none.
     managed: int | None = None
+    #: What FSDP's CPU offload keeps in this rank's host memory between steps (parameter shards and optimizer state;
+    #: nbmem.estimation.parallel.host_figures); None: nothing offloaded.
+    host: int | None = None
 
     def to_snapshot(self, path: str) -> None:
         """Write the estimated run as a PyTorch memory snapshot (pytorch.org/memory_viz, ``nbmem.load_snapshot``).
@@ -175,6 +178,9 @@ class Estimate:
         if self.managed is not None:
             lines.append(f"  managed memory   {format_bytes(self.managed)} (paged optimizer state in CUDA managed memory, "
                          "outside PyTorch's allocator and the figures above; counted against the device)")
+        if self.host is not None:
+            lines.append(f"  host memory      {format_bytes(self.host)} (FSDP's CPU offload: shards and optimizer state "
+                         "in this rank's host RAM between steps, outside the figures above)")
         if self.capacity is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             why = (

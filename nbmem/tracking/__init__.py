@@ -3,7 +3,8 @@
 Nestable peak scopes over a counter (:mod:`.counters`), and the devices'
 own counters, CUDA's and every other accelerator's (:mod:`.accelerators`); the tracked mode's two
 engines, a dispatch mode (:mod:`.tracker`, :mod:`.dispatch`) and the CPU
-allocator wrapped in C++ (:mod:`.native`, :mod:`.native_tracking`, ``_native/``);
+allocator wrapped in C++ (:mod:`.native`, :mod:`.native_tracking`, ``_native/``), and
+what a tracker keeps off the device (:mod:`.host_memory`);
 what they install and how it comes out again (:mod:`.installed`); attribution
 to categories and modules (:mod:`.categories`); the baseline walk of live
 tensors (:mod:`.live`); nestable scopes, the API of ``nbmem.measure`` and

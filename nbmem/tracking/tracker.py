@@ -39,6 +39,7 @@ from .counters import PeakScopes
 from .dispatch import TrackingMode, skip_dynamo
 from ..core.records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _device_test, _parts, _PLAIN,
                       _virtual_device_is_full, _wraps, rebuild_counters)
+from .host_memory import HostMemory
 from .installed import Activation, remove_dispatch_modes, remove_every_tracker, unwatch_resizes, watch_resizes
 from .lines import LineCounter
 from .live import walk
@@ -51,7 +52,7 @@ _Tensor = torch.Tensor
 _RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
 
 
-class Tracker(Activation):
+class Tracker(Activation, HostMemory):
     """Live bytes of the tensor storages on one device, with a running peak.
 
     A tracker is a peak counter (see :mod:`nbmem.tracking.counters`): scopes opened on
@@ -92,9 +93,10 @@ class Tracker(Activation):
         self.adopt_unseen = True
         #: Count fake tensors (an estimate's tracker); a tracker of real memory ignores them.
         self.fake = False
-        #: Storages outside PyTorch's allocator, never counted, by key (an estimate's paged optimizer state, in
-        #: CUDA managed memory: nbmem.estimation.low_bit), held by whoever put them here.
+        #: Storages outside the device's allocator, never counted, by key, each held here: an estimate's paged
+        #: optimizer state (CUDA managed memory: nbmem.estimation.low_bit), what FSDP's CPU offload keeps on the host.
         self.outside: dict[int, torch.Tensor] = {}
+        self._on_host = 0  # inside on_host(): new storages are host memory
         #: Whether a scope's baseline is every storage alive on the device (a
         #: default tracker: as a GPU counts, issue 12) or only what its ops touch
         #: (a tracker of one's own: a fresh device, as estimates use).
@@ -457,6 +459,9 @@ class Tracker(Activation):
             # Nested tensors are not counted.
             for part in _parts(tensor):
                 self._count(part, adopt)
+            return
+        if self._on_host:
+            self.outside[storage._cdata] = tensor
             return
         if adopt and not self.adopt_unseen:
             return

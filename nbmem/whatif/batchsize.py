@@ -166,6 +166,7 @@ def max_batch_size(
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
+    cpu_offload: bool = False,
     attention: str | None = None,
     quantization: Any = None,
     progress: bool = True,
@@ -209,7 +210,8 @@ def max_batch_size(
     names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
     the built-in step zeroes gradients, ``optimizer_in_backward`` steps each
-    parameter inside backward, ``mp_policy`` is FSDP2's mixed precision,
+    parameter inside backward, ``mp_policy`` is FSDP2's mixed precision
+    (``cpu_offload`` its CPU offload),
     ``attention`` a Hugging Face model's attention implementation, ``quantization``
     the weights' (``"nf4"``, ``"int8"``, a BitsAndBytesConfig; see :func:`nbmem.estimate`).
 
@@ -255,7 +257,8 @@ def max_batch_size(
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
-                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, attention=attention,
+                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, cpu_offload=cpu_offload,
+                attention=attention,
                 quantization=quantization)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)

@@ -20,7 +20,7 @@ from ..estimation.estimate import Estimate, estimate_plan
 from ..estimation.quantization import Quantization, quantization_label
 from ..estimation.finetune import check_trainable, trainable_label
 from .launcher import RankError, launch_plan
-from ..estimation.parallel import check_parallel
+from ..estimation.parallel import check_parallel, fsdp_family
 from .progress import Progress, check_progress
 from ..core.units import format_bytes
 from ..estimation.plan import Plan, run_device
@@ -66,6 +66,7 @@ def sweep(
     zero_grad: str = "after_step",
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
+    cpu_offload: bool = False,
     attention: str | None = None,
     quantization: Any = None,
     timeline: bool = False,
@@ -115,7 +116,7 @@ def sweep(
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad``
     where the built-in step zeroes gradients, ``optimizer_in_backward``
     steps each parameter inside backward, ``mp_policy`` is FSDP2's mixed
-    precision, for the FSDP configurations, and ``attention`` a Hugging Face
+    precision and ``cpu_offload`` its CPU offload, for the FSDP configurations, and ``attention`` a Hugging Face
     model's attention implementation (see :func:`nbmem.estimate`).
     ``quantization`` is an axis too: ``[None, "nf4", "int8"]`` puts the
     weights as built beside QLoRA's 4-bit and 8-bit ones.
@@ -172,7 +173,8 @@ def sweep(
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
     base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
-                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, attention=attention,
+                optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, cpu_offload=cpu_offload,
+                attention=attention,
                 **_enforced(mode, capacity))
     seen = set()
     for combination in itertools.product(*grid.values()):
@@ -186,8 +188,8 @@ def sweep(
         # the optimizer it names (a task that trains nothing shows 'none' and builds none)
         # what checkpointed blocks keep applies to the configurations that checkpoint
         kept: dict[str, Any] = {} if options["checkpointing"] is not False else {"checkpoint_saves": None}
-        if not options["parallel"].startswith("fsdp"):  # FSDP2's mixed precision, for the FSDP configurations
-            kept["mp_policy"] = None
+        if not fsdp_family(options["parallel"]):  # FSDP2's mixed precision and offload, for the FSDP configurations
+            kept["mp_policy"], kept["cpu_offload"] = None, False
         plans.append(Plan(**{**base, **kept}, **{**options, "optimizer": chosen["optimizer"]}))
         planned.append(config)
     shown_axes = [axis for axis in grid if len(grid[axis]) > 1] or ["batch_size"]

@@ -3,7 +3,8 @@
 :func:`estimate_trainer` reads the settings that change memory and estimates
 the step they describe (:func:`nbmem.estimate`): the per-device batch,
 gradient accumulation, ``bf16``/``fp16``, gradient (activation) checkpointing,
-``optim``, FSDP and its wrapped layer class, ``torch_compile``.
+``optim``, FSDP (its wrapped layer class, CPU offload), a DeepSpeed
+configuration (its ZeRO stage and CPU offload), ``torch_compile``.
 :func:`knobs_from_training_arguments` returns what it read: the estimate's
 knobs, a note on what each setting became, and the settings it did not
 understand, which are never silently ignored: the estimate refuses them
@@ -103,8 +104,8 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
         unknown.append(f"optim_args={setting('optim_args')!r}")
     _read_fsdp(setting, knobs, read, unknown, world_size)
     if setting("deepspeed"):
-        unknown.append("deepspeed (ZeRO stages 2 and 3 are not estimated; parallel='zero1' or 'fsdp' with world_size= "
-                       "are the nearest)")
+        _read_deepspeed(setting("deepspeed"), knobs, read, unknown, world_size if world_size is not None else
+                        int(setting("world_size", 1) or 1))
     if setting("torch_compile", False):
         read.append("torch_compile=True: estimated as the eager step (nbmem runs compiled code eagerly on fake tensors)")
     if setting("use_liger_kernel", False):
@@ -149,12 +150,64 @@ def _read_fsdp(setting: Callable[..., Any], knobs: dict[str, Any], read: list[st
             read.append("fsdp_config activation_checkpointing: checkpointing=True")
         for key in ("cpu_offload", "offload_params", "fsdp_offload_params"):
             if config.pop(key, False):
-                unknown.append(f"fsdp_config {key} (CPU offload is not estimated)")
+                knobs["cpu_offload"] = True
+                read.append(f"fsdp_config {key}: cpu_offload=True (FSDP2's CPUOffloadPolicy)")
         if config.pop("min_num_params", 0):
             unknown.append("fsdp_config min_num_params (units chosen by size are not estimated: block= names them)")
     elif size > 1:
         knobs["parallel"], knobs["world_size"] = "ddp", size
         read.append(f"{size} processes, no FSDP: parallel='ddp'")
+
+
+# DeepSpeed's ZeRO stages and what each is estimated as (PyTorch's counterparts: nbmem.estimation.parallel)
+_ZERO_STAGES = {1: "zero1", 2: "zero2", 3: "zero3"}
+# DeepSpeed's own buffers, which nbmem does not model: a number given for one is said, never ignored
+_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size", "stage3_max_live_parameters",
+            "stage3_max_reuse_distance", "sub_group_size")
+
+
+def _read_deepspeed(config: Any, knobs: dict[str, Any], read: list[str], unknown: list[str], size: int) -> None:
+    """A DeepSpeed configuration (a dict or a JSON file's path, as TrainingArguments(deepspeed=) takes it)."""
+    if isinstance(config, (str, bytes)) or hasattr(config, "__fspath__"):
+        import json
+
+        try:
+            with open(config) as file:
+                config = json.load(file)
+        except (OSError, ValueError) as error:
+            unknown.append(f"deepspeed={config!r} (not a readable JSON file: {error})")
+            return
+    if not isinstance(config, Mapping):
+        unknown.append(f"deepspeed={config!r} (a dict or a JSON file's path is read)")
+        return
+    zero = dict(config.get("zero_optimization") or {})
+    stage = zero.get("stage", 0)
+    strategy = _ZERO_STAGES.get(stage, "ddp" if stage == 0 and size > 1 else "")
+    if stage not in (0, 1, 2, 3):
+        unknown.append(f"deepspeed zero_optimization stage {stage!r} (stages 0 to 3 exist)")
+    if strategy:
+        knobs["parallel"], knobs["world_size"] = strategy, size
+        read.append(f"deepspeed ZeRO stage {stage}: parallel={strategy!r} on {size} GPUs"
+                    + (", PyTorch's counterpart; DeepSpeed's own communication buckets are not modelled"
+                       if stage >= 2 else ""))
+        if size < 2:
+            unknown.append("DeepSpeed on one process: pass world_size= (how many GPUs the run spans)")
+    offload = {part: str((zero.get(f"offload_{part}") or {}).get("device", "none")) for part in ("param", "optimizer")}
+    if offload == {"param": "cpu", "optimizer": "cpu"} and stage == 3:
+        knobs["cpu_offload"] = True
+        read.append("deepspeed offload_param and offload_optimizer to the CPU: cpu_offload=True (FSDP2's "
+                    "CPUOffloadPolicy, which offloads both)")
+    elif offload != {"param": "none", "optimizer": "none"}:
+        unknown.append(f"deepspeed offload (param to {offload['param']}, optimizer to {offload['optimizer']}): only "
+                       "stage 3 with both on the CPU is estimated (cpu_offload=True); ZeRO-Offload of the optimizer "
+                       "alone keeps the parameters on the GPU, which FSDP2's offload does not")
+    unknown += [f"deepspeed {key}={zero[key]!r} (DeepSpeed's own buffers are not modelled)" for key in _BUCKETS
+                if isinstance(zero.get(key), (int, float)) and not isinstance(zero.get(key), bool)]
+    for precision in ("bf16", "fp16"):
+        enabled = (config.get(precision) or {}).get("enabled", False)
+        if enabled is True and knobs["precision"] != precision:
+            unknown.append(f"deepspeed {precision} enabled while the arguments say {knobs['precision']} (set "
+                           f"{precision}=True in the arguments, or precision={precision!r})")
 
 
 def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, strict: bool = True,
