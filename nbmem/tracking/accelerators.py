@@ -50,14 +50,22 @@ def accelerator_type() -> str | None:
     return "cuda" if torch.cuda.is_available() else None
 
 
-def _allocator_readable() -> bool:
-    """Whether the accelerator's allocator answers torch.accelerator's memory functions (a ``DeviceAllocator``:
-    PyTorch raises for a backend whose allocator is not one, e.g. an older out-of-tree plugin)."""
+def _allocator_state() -> bool | None:
+    """Whether the accelerator's allocator is up (True) or not yet (False); None where torch.accelerator can't read
+    it (PyTorch raises for a backend whose allocator is not a ``DeviceAllocator``, e.g. an older out-of-tree
+    plugin). A torch without the question: up."""
     ready = getattr(torch._C, "_accelerator_isAllocatorInitialized", None)
+    if ready is None:
+        return True
     try:
-        return ready is None or ready() in (True, False)
+        return bool(ready())
     except RuntimeError:
-        return False
+        return None
+
+
+def _allocator_readable() -> bool:
+    """Whether the accelerator's allocator answers torch.accelerator's memory functions."""
+    return _allocator_state() is not None
 
 
 def current_device(device_type: str | None = None) -> torch.device | None:
@@ -111,6 +119,7 @@ class DeviceCounter:
         self._module: Any = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu, a backend's
         self.scopes = PeakScopes(self)
         self._missing: tuple[str, ...] | None = () if self.cuda else None
+        self._read = self._readers()  # made once: the live gauge reads twice a second
 
     @property
     def missing(self) -> tuple[str, ...]:
@@ -119,7 +128,7 @@ class DeviceCounter:
         if self._missing is None:
             if not self._used():
                 return ()
-            self._missing = tuple(name for name, read in zip(FIGURES, self._readers()) if _answer(read) is None)
+            self._missing = tuple(name for name, read in zip(FIGURES, self._read) if _answer(read) is None)
         return self._missing
 
     # -- reading ------------------------------------------------------------
@@ -128,11 +137,7 @@ class DeviceCounter:
         """Whether the device's allocator is up (nothing to read, nor to reset, before)."""
         if self.cuda:
             return bool(torch.cuda.is_initialized())
-        ready = getattr(torch._C, "_accelerator_isAllocatorInitialized", None)
-        try:
-            return bool(ready()) if ready is not None else True
-        except RuntimeError:  # not a DeviceAllocator: nothing torch.accelerator can read
-            return False
+        return bool(_allocator_state())  # None: not a DeviceAllocator, nothing torch.accelerator can read
 
     def _readers(self) -> tuple[Callable[[], Any], ...]:
         index, module = self.index, self._module
@@ -150,7 +155,7 @@ class DeviceCounter:
             return 0
         if FIGURES[which] in self.missing:
             return None
-        return _answer(self._readers()[which])
+        return _answer(self._read[which])
 
     def allocated(self) -> int:
         return self._figure(0) or 0
