@@ -11,7 +11,15 @@ two warm-up steps:
 - dispatch: ``nbmem.track(engine="dispatch")``, under whose dispatch mode
   PyTorch runs no compiled frame (the result says "eager");
 - auto: ``nbmem.track()`` (the default), which names the compiled model here and
-  so takes the native engine.
+  so takes the native engine;
+- planned (inductor rows): ``nbmem.estimate(..., compile=True)`` of the same
+  step on fake tensors, less what the measured block starts with (parameters,
+  buffers and the input, each rounded to 512 B), and the seconds it took
+  beside the real compile's warm-up.
+
+A fourth model, "transformer", is a small decoder built from PyTorch's own
+``nn.TransformerEncoder`` (the README's GPT, smaller), beside GPT-2 from
+transformers.
 
     python benchmarks/bench_compiled.py [--json results/DATE-compiled-cpu.json] [--threads 1] [--models mlp,cnn,gpt]
 
@@ -52,19 +60,70 @@ def gpt() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return GPT2LMHeadModel(config), (torch.randint(0, 4096, (4, 128)),)
 
 
-MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {"mlp": mlp, "cnn": cnn, "gpt": gpt}
+class Decoder(nn.Module):
+    """Token embeddings, causal nn.TransformerEncoder blocks, a head: the README's GPT, smaller."""
+
+    def __init__(self, vocab: int = 4096, width: int = 256, layers: int = 2, heads: int = 4, context: int = 128) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        block = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(context), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        return self.head(self.blocks(self.tokens(ids), mask=self.mask[:n, :n], is_causal=True))
+
+
+def transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    return Decoder(), (torch.randint(0, 4096, (8, 128)),)
+
+
+MODELS: dict[str, Callable[[], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
+    "mlp": mlp, "cnn": cnn, "gpt": gpt, "transformer": transformer}
 BACKENDS = ("none", "aot_eager", "inductor")
 
 #: The model a step runs: a global, so that nbmem.track()'s "auto" engine sees its name bound to compiled code.
 RUNNING: Any = None
 
 
+def loss_of(model: Any, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    if getattr(model, "config", None) is not None:  # a Hugging Face model: its own loss
+        return model(input_ids=inputs[0], labels=inputs[0]).loss
+    return model(*inputs).float().pow(2).mean()
+
+
 def step(inputs: tuple[torch.Tensor, ...]) -> None:
-    if isinstance(inputs[0], torch.Tensor) and inputs[0].dtype == torch.long:
-        loss = RUNNING(input_ids=inputs[0], labels=inputs[0]).loss
-    else:
-        loss = RUNNING(*inputs).float().pow(2).mean()
-    loss.backward()
+    loss_of(RUNNING, inputs).backward()
+
+
+def estimated_step(model: Any, inputs: tuple[torch.Tensor, ...], optimizer: Any) -> None:
+    """The same step, as nbmem.estimate's step= (gradients set to None first, as measured)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss_of(model, inputs).backward()
+
+
+def resident(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
+    """What the measured block starts with: parameters, buffers and the inputs, each storage rounded to 512 B."""
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes()
+                for tensor in (*model.parameters(), *model.buffers(), *inputs)}
+    return sum(-(-size // 512) * 512 for size in storages.values())
+
+
+def planned(name: str) -> tuple[int, float]:
+    """nbmem.estimate(..., compile=True) of the step, above what the block starts with; and its seconds."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    started = time.perf_counter()
+    shapes = [(tensor.shape, tensor.dtype) for tensor in inputs]  # the inputs made again, without a model beside them
+    result = nbmem.estimate(lambda: MODELS[name]()[0], lambda n: tuple(torch.zeros(shape, dtype=dtype) for shape, dtype
+                                                                       in shapes),
+                            batch_size=len(inputs[0]), optimizer="sgd", step=estimated_step, compile=True)
+    seconds = time.perf_counter() - started
+    assert any(note.startswith("compiled: torch.compile (inductor) ran") for note in result.notes), result.notes
+    return result.steady - resident(model, inputs), seconds
 
 
 def measure(name: str, backend: str) -> dict[str, Any]:
@@ -92,6 +151,9 @@ def measure(name: str, backend: str) -> dict[str, Any]:
         row[f"{engine}_compiled"] = scope.result.compiled
     nbmem.tracking.compiled._seen = False  # each row decides its "auto" engine afresh
     RUNNING = None
+    if backend == "inductor":
+        row["planned"], row["planned_seconds"] = planned(name)
+        row["planned_seconds"] = round(row["planned_seconds"], 1)
     return row
 
 
@@ -109,7 +171,8 @@ def main() -> None:
             print(
                 f"{name:4} {backend:9} truth {row['truth'] / MiB:8.2f} MiB | native {row['native'] / MiB:8.2f}"
                 f" | dispatch {row['dispatch'] / MiB:8.2f} ({row['dispatch_compiled']}) | auto {row['auto'] / MiB:8.2f}"
-                f" ({row['auto_engine']}, {row['auto_compiled']}) | warm-up {row['warmup_seconds']} s",
+                f" ({row['auto_engine']}, {row['auto_compiled']}) | warm-up {row['warmup_seconds']} s"
+                + (f" | planned {row['planned'] / MiB:8.2f} in {row['planned_seconds']} s" if "planned" in row else ""),
                 flush=True,
             )
     report["rows"] = rows
@@ -117,6 +180,9 @@ def main() -> None:
     report["summary"] = {
         "native_equals_truth": sum(row["native"] == row["truth"] for row in rows),
         "auto_equals_truth": sum(row["auto"] == row["truth"] for row in rows),
+        "planned_equals_truth": f"{sum(row['planned'] == row['truth'] for row in rows if 'planned' in row)} of "
+                                f"{sum('planned' in row for row in rows)}",
+        "planned_vs_truth": {row["model"]: round(row["planned"] / row["truth"] - 1, 4) for row in rows if "planned" in row},
         "rows": len(rows),
         "compiled_vs_eager_truth": {
             f"{row['model']} {row['backend']}": round(row["truth"] / eager[row["model"]] - 1, 4)

@@ -59,6 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nbmem
 from nbmem.tracking import counters; from nbmem.tracking import scope
+from nbmem.tracking.accelerators import DeviceCounter
 from nbmem.tracking.native_tracking import native_tracker
 
 from _environment import environment, parse_with_threads, write_json
@@ -75,11 +76,12 @@ def median_seconds(run: Callable[[], object], repeats: int, warmup: int = 5) -> 
     return statistics.median(samples)
 
 
-class StandInCuda(counters.CudaCounter):
+class StandInCuda(DeviceCounter):
     """The measured code path without a GPU: fixed figures, no torch.cuda calls."""
 
     def __init__(self) -> None:
-        self.index = 0
+        self.device, self.index, self.cuda = torch.device("cuda", 0), 0, True
+        self._missing = ()
         self.scopes = counters.PeakScopes(self)
 
     def allocated(self) -> int:
@@ -114,13 +116,13 @@ def magic_fixed_cost(repeats: int) -> dict[str, float]:
     empty = median_seconds(lambda: shell.run_cell("pass"), repeats)
     tracked = median_seconds(lambda: shell.run_cell("%%gpumem -q --backend tracked\npass"), repeats)
     stand_in = StandInCuda()
-    original_resolve, original_counter = scope.resolve_backend, scope.cuda_counter
+    original_resolve, original_counter = scope.resolve_backend, scope.device_counter
     scope.resolve_backend = lambda backend="auto", device=None: ("measured", torch.device("cuda", 0))
-    scope.cuda_counter = lambda index: stand_in
+    scope.device_counter = lambda device: stand_in
     try:
         measured = median_seconds(lambda: shell.run_cell("%%gpumem -q\npass"), repeats)
     finally:
-        scope.resolve_backend, scope.cuda_counter = original_resolve, original_counter
+        scope.resolve_backend, scope.device_counter = original_resolve, original_counter
     return {
         "empty_cell_ms": empty * 1e3,
         "measured_path_fixed_cost_ms": (measured - empty) * 1e3,

@@ -292,3 +292,117 @@ def test_a_native_scope_around_a_dispatch_scope_says_its_compiled_calls_ran_eage
     assert inner.result.compiled == "eager"
     assert outer.result.compiled == "eager"  # the call ran eagerly for the inner scope: not the compiled figure
     assert any("because a scope with a dispatch mode" in note for note in outer.result.notes)
+
+
+# -- compile=True estimates: inductor's own plan on fake tensors (issue 23, part 3) --------------------------------
+
+
+def _forward_backward(model, inputs, optimizer):
+    optimizer.zero_grad(set_to_none=True)
+    model(*inputs).float().pow(2).mean().backward()
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
+                         nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+
+def _images(n):
+    return (torch.randn(n, 3, 32, 32),)
+
+
+def _resident(build, batch, size: int) -> int:
+    """What a measured block's start already holds: the parameters and the input, each block rounded as CUDA does."""
+    from nbmem.core.units import round_allocation
+
+    held = [*build().parameters(), *build().buffers(), *batch(size)]
+    return sum(round_allocation(tensor.numel() * tensor.element_size()) for tensor in held)
+
+
+@pytest.mark.slow  # the truth needs a real inductor compile (C++ kernels): seconds
+@needs_native
+@pytest.mark.parametrize(("build", "batch", "size"), [(mlp, batch, 512), (_cnn, _images, 64)], ids=["mlp", "cnn"])
+def test_a_compile_estimate_equals_the_compiled_step_measured_by_the_native_engine(build, batch, size, fresh_dynamo):
+    model = build()
+    fast = torch.compile(model)
+    inputs = batch(size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # compiled, and recompiled for the second step's gradients, outside the measurement
+        _forward_backward(fast, inputs, optimizer)
+    model.zero_grad(set_to_none=True)
+    with nbmem.track("cpu", engine="native") as truth:
+        _forward_backward(fast, inputs, optimizer)
+    model.zero_grad(set_to_none=True)
+    with nbmem.track("cpu", engine="native") as eager_truth:
+        _forward_backward(model, inputs, optimizer)
+    assert truth.result.compiled == "compiled"
+    planned = nbmem.estimate(build, batch, batch_size=size, optimizer="sgd", step=_forward_backward, compile=True)
+    eager = nbmem.estimate(build, batch, batch_size=size, optimizer="sgd", step=_forward_backward)
+    # the estimate counts the parameters and the batch too; above them, the compiled step to the byte
+    assert planned.steady - _resident(build, batch, size) == truth.result.peak
+    # inductor's fused forward and backward hold less than eager's, and the estimates say so
+    assert truth.result.peak < eager_truth.result.peak and planned.steady < eager.steady
+    assert any(note.startswith("compiled: torch.compile (inductor) ran on the fake tensors") for note in planned.notes)
+    assert not any(note.startswith("estimated as eager") for note in planned.notes)
+    assert "torch.compile" in planned.plan.describe()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied: the tests above compiled Sequential.forward many times (its recompile limit is 8)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_a_compile_estimate_builds_no_kernel_and_leaves_inductor_as_it_was(fresh_dynamo):
+    from torch._inductor import async_compile, compile_fx
+    from torch._inductor.codecache import PyCodeCache
+
+    before = (PyCodeCache.__dict__["load_by_key_path"], compile_fx.compile_fx, async_compile.AsyncCompile)
+    planned = nbmem.estimate(mlp, batch, batch_size=512, optimizer="sgd", compile=True)
+    eager = nbmem.estimate(mlp, batch, batch_size=512, optimizer="sgd")
+    assert planned.steady < eager.steady
+    assert (PyCodeCache.__dict__["load_by_key_path"], compile_fx.compile_fx, async_compile.AsyncCompile) == before
+    # the planned wrappers never entered inductor's module cache, where a real compile could find them
+    assert not any(module.__name__.startswith("nbmem_planned_") for module in PyCodeCache.modules_no_attr.values())
+    # a real model of the same class compiled afterwards runs its real kernels
+    model = mlp()
+    x = torch.randn(8, 256)
+    torch.testing.assert_close(torch.compile(model)(x), model(x))
+
+
+def test_compile_refuses_what_it_cannot_plan():
+    with pytest.raises(ValueError, match=r"compile=True can't be estimated here: a tracked run's dispatch mode"):
+        nbmem.estimate(mlp, batch, batch_size=8, compile=True, mode="tracked")
+    with pytest.raises(ValueError, match=r"parallel='fsdp' is estimated eagerly"):
+        nbmem.estimate(mlp, batch, batch_size=8, compile=True, parallel="fsdp", world_size=2)
+    with pytest.raises(ValueError, match="compile must be True or False, got 'inductor'"):
+        nbmem.estimate(mlp, batch, batch_size=8, compile="inductor")
+
+
+def test_a_compile_estimate_whose_graphs_never_ran_says_its_figures_are_eager(fresh_dynamo):
+    with torch.compiler.set_stance("force_eager"):  # as a recompile limit reached, or a skipped frame, would
+        result = nbmem.estimate(mlp, batch, batch_size=512, optimizer="sgd", compile=True)
+    eager = nbmem.estimate(mlp, batch, batch_size=512, optimizer="sgd")
+    assert result.steady == eager.steady
+    assert result.notes[0].startswith("EAGER FIGURES: compile=True, but no compiled graph of the model ran")
+    assert not any(note.startswith("compiled: torch.compile (inductor) ran") for note in result.notes)
+
+
+def test_a_sweep_puts_the_eager_step_beside_the_compiled_one_and_a_compiled_loss_is_planned_too(fresh_dynamo):
+    table = nbmem.sweep(mlp, batch, batch_size=512, optimizer="sgd", step=_forward_backward, compile=[False, True],
+                        progress=False)
+    eager, planned = (row.result for row in table.rows)
+    assert [row.value("compile") for row in table.rows] == [False, True] and str(table).splitlines()[1].startswith("compile")
+    assert planned.steady < eager.steady
+    assert any(note.startswith("compiled: torch.compile (inductor) ran") for note in planned.notes)
+    loss = torch.compile(lambda out: out.float().pow(2).mean())  # inductor: planned as the model is
+
+    def step_with_compiled_loss(model, inputs, optimizer):
+        optimizer.zero_grad(set_to_none=True)
+        loss(model(*inputs)).backward()
+
+    with_loss = nbmem.estimate(mlp, batch, batch_size=512, optimizer="sgd", step=step_with_compiled_loss, compile=True)
+    assert not any(note.startswith(("estimated as eager", "EAGER FIGURES")) for note in with_loss.notes)

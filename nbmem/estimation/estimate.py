@@ -42,6 +42,8 @@ from .optimizers import in_backward, library_optimizer, optimizer_factory, targe
 from .workspaces import WithWorkspaces, workspaces_for
 from .parallel import fsdp_family, fsdp_units, host_figures, host_note, offload_to_host, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
+from .compiled_plan import (PLAN_NOTE, UNPLANNED_NOTE, compile_for_estimate, missing_internals, planned_calls,
+                            planned_inductor)
 from .quantized_kernels import QuantizedKernels
 from .quantized_layers import follow_cuda
 from .result import Estimate
@@ -101,6 +103,7 @@ def estimate(
     cpu_offload: bool = False,
     attention: str | None = None,
     quantization: Any = None,
+    compile: bool = False,
     timeline: bool = False,
 ) -> Estimate:
     """Estimate a training step's peak memory before running anything.
@@ -132,7 +135,12 @@ def estimate(
     ``MixedPrecisionPolicy``. ``cpu_offload=True`` is FSDP2's CPU offload:
     the shards, their gradients and the optimizer's step and state stay in
     host memory, outside the GPU's figures (an estimate's notes say what the
-    host holds).
+    host holds). ``compile=True`` estimates the model ``torch.compile``'d
+    (inductor): inductor plans on the fake tensors and its generated code's
+    buffers are counted, its kernels never built
+    (:mod:`nbmem.estimation.compiled_plan`); measured, the model is compiled
+    for real. Without it, compiled code in the step runs eagerly and the notes
+    say so.
 
     The step nbmem runs (:mod:`nbmem.estimation.step`), twice (``first_step``, then
     ``steady``): for each micro-batch it makes the batch, runs forward and
@@ -208,7 +216,7 @@ def estimate(
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
         zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy,
-        cpu_offload=cpu_offload, attention=attention, quantization=quantization,
+        cpu_offload=cpu_offload, attention=attention, quantization=quantization, compile=compile,
     )
     try:
         return estimate_plan(model, batch, plan, timeline=timeline)
@@ -219,6 +227,15 @@ def estimate(
         if ours or not from_bitsandbytes(error):
             raise
         raise ValueError(bitsandbytes_message(error, plan.mode)) from error
+
+
+def compile_unplanned(notes: list[str]) -> str | None:
+    """Why compile=True can't be planned with this torch (noted, and the step estimated eagerly); None: it can."""
+    missing = missing_internals()
+    if missing is not None:
+        notes.append(f"compile=True: {missing}, so the step was estimated as eager (nbmem plans with torch 2.13's "
+                     "inductor internals)")
+    return missing
 
 
 def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan,
@@ -269,8 +286,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
-        # versions don't model: estimate and tracked run both use the generic ones.
-        with group as mesh, without_onednn(), unscanned, outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
+        # versions don't model: estimate and tracked run both use the generic ones. Not
+        # for compile=True: inductor's CPU plan follows oneDNN being there, as a real compile's does.
+        onednn = without_onednn() if not plan.compile else contextlib.nullcontext()
+        with group as mesh, onednn, unscanned, outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             if plan.quantized is not None:
                 if plan.quantized.library == "bitsandbytes":
@@ -309,6 +328,12 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             )
             if plan.cpu_offload and fake_mode is not None:
                 offload_to_host(network, opt, whole.tracker)
+            planned = plan.compile and compile_unplanned(notes) is None
+            graphs_before = planned_calls()
+            if planned:
+                if fake_mode is not None:
+                    target_rules.enter_context(planned_inductor(fake_mode))
+                network = compile_for_estimate(network)
             managed = prepare_low_bit(opt, network, fake_mode, whole.tracker, notes)
             region = policy.region if policy is not None else torch.autocast
             cache = CacheRecord()
@@ -337,7 +362,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             for rule in (policy, attention, kernels):  # CUDA's autocast lists, attention and bitsandbytes kernels
                 if rule is not None:
                     target_rules.enter_context(rule)
-            if fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM):  # a tracked torchao optimizer too
+            if not planned and (fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM)):  # a tracked torchao optimizer too
                 # torch.compile'd code runs its own Python: Dynamo would compile under FakeTensorMode (an infra
                 # mode) and inductor's kernels would then read fake tensors' memory (a dead process, issue 23).
                 # Entered here, after the model factory ran: a factory may be what first loads Dynamo.
@@ -412,7 +437,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     else:
         notes += plan.allocator.simulation_notes()
         notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
-    if compiled_calls:
+    if planned and mode == "estimated" and planned_calls() == graphs_before:
+        notes.insert(0, UNPLANNED_NOTE)
+    elif planned:
+        notes.append(PLAN_NOTE if mode == "estimated" else "compiled: torch.compile (inductor) built and ran the model")
+    elif compiled_calls:
         notes.append(compiled_note(mode, compiled_calls))
     if step is not None:
         notes += user_step_notes(step, precision, run_on)

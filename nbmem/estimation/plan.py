@@ -103,6 +103,8 @@ class Plan:
     #: FSDP2's CPU offload (fully_shard's offload_policy=CPUOffloadPolicy()): sharded parameters, their gradients and
     #: the optimizer's step and state in host memory, outside the GPU's figures.
     cpu_offload: bool = False
+    #: torch.compile the model (inductor), estimated from inductor's own generated code (nbmem.estimation.compiled_plan).
+    compile: bool = False
     #: A Hugging Face model's attention implementation (attn_implementation): "eager", "sdpa", "flash_attention_2"...
     #: None: the model's own.
     attention: str | None = None
@@ -147,6 +149,7 @@ class Plan:
         self._check_in_backward()
         check_mp_policy(self.mp_policy, self.parallel)
         check_cpu_offload(self.cpu_offload, self.parallel, self.mode)
+        self._check_compile()
         check_attention(self.attention)
         self._check_quantization()
         if self.task != "train" and self.trainable is not None:
@@ -175,6 +178,20 @@ class Plan:
             raise ValueError(
                 f"rank must be one of the {self.world_size} ranks, 0 to {self.world_size - 1}, got {self.rank!r}"
             )
+
+    def _check_compile(self) -> None:
+        if self.compile is False:
+            return
+        if self.compile is not True:
+            raise ValueError(f"compile must be True or False, got {self.compile!r}")
+        reason = ("a tracked run's dispatch mode makes PyTorch run compiled code eagerly: estimate it "
+                  "(mode='estimated'), or measure your compiled step with nbmem.track(), whose native engine counts "
+                  "inductor's buffers" if self.mode == "tracked" else
+                  f"parallel={self.parallel!r} is estimated eagerly (FSDP's and DDP's compiled graphs are not "
+                  "planned here)" if self.parallel != "single" else
+                  "quantized layers are estimated eagerly" if self.quantization is not None else "")
+        if reason:
+            raise ValueError(f"compile=True can't be estimated here: {reason}; leave compile out")
 
     def _check_zero_grad(self) -> None:
         if self.zero_grad not in ZERO_GRAD:
@@ -298,6 +315,8 @@ class Plan:
             words.append(f"FSDP mixed precision {self.mp_policy if isinstance(self.mp_policy, str) else 'policy given'}")
         if self.cpu_offload:
             words.append("CPU offload")
+        if self.compile:
+            words.append("torch.compile")
         if self.block is not None:
             words.append(f"block {block_label(self.block)}")
         if not self.allocator.is_default:

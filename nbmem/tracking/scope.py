@@ -413,8 +413,9 @@ class MemoryScope:
         )
 
     def _runs_a_dispatch_mode(self) -> bool:
-        """Whether the block runs under a dispatch mode: the dispatch engine's, or a tracker's alongside a measurement."""
-        return self.engine == "dispatch" and self._tracker is not None
+        """Whether the block runs under a dispatch mode: the dispatch engine's, or a tracker's alongside a measurement
+        (not an estimate's tracker, which a fake mode carries: Dynamo compiles under that infra mode)."""
+        return self.engine == "dispatch" and self._tracker is not None and getattr(self._tracker, "host", None) is None
 
     def _compiled_figures(self) -> tuple[str | None, list[str]]:
         """How compiled code in the block ran ("compiled", "eager", "unknown" or None: none ran), and the notes."""

@@ -167,6 +167,7 @@ def max_batch_size(
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
     cpu_offload: bool = False,
+    compile: bool = False,
     attention: str | None = None,
     quantization: Any = None,
     progress: bool = True,
@@ -258,7 +259,7 @@ def max_batch_size(
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
                 optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, cpu_offload=cpu_offload,
-                attention=attention,
+                compile=compile, attention=attention,
                 quantization=quantization)
     estimates = 0
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)

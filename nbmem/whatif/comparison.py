@@ -17,7 +17,7 @@ __all__ = ["Comparison", "SweepRow", "AXES"]
 
 #: The knobs a sweep can vary, in the order a table shows them.
 AXES = ("batch_size", "precision", "checkpointing", "optimizer", "accumulation", "parallel", "world_size", "trainable",
-        "quantization", "task", "prompt_length", "new_tokens")
+        "quantization", "compile", "task", "prompt_length", "new_tokens")
 
 #: The axes a table's rows (and a chart's x axis) take first, when swept: the context length, then sizes.
 _ROW_AXES = ("prompt_length", "batch_size", "world_size")

@@ -69,6 +69,7 @@ def sweep(
     cpu_offload: bool = False,
     attention: str | None = None,
     quantization: Any = None,
+    compile: bool | Iterable[bool] = False,
     timeline: bool = False,
     progress: bool = True,
 ) -> Comparison:
@@ -119,7 +120,8 @@ def sweep(
     precision and ``cpu_offload`` its CPU offload, for the FSDP configurations, and ``attention`` a Hugging Face
     model's attention implementation (see :func:`nbmem.estimate`).
     ``quantization`` is an axis too: ``[None, "nf4", "int8"]`` puts the
-    weights as built beside QLoRA's 4-bit and 8-bit ones.
+    weights as built beside QLoRA's 4-bit and 8-bit ones; and ``compile``:
+    ``[False, True]`` puts the eager step beside the ``torch.compile``'d one.
     ``timeline=True`` keeps each configuration's allocations (one process's:
     a launched data-parallel run keeps none): ``table.rows[i].result`` then
     plots them and writes them for PyTorch's memory viewer
@@ -151,6 +153,7 @@ def sweep(
         "world_size": _values("world_size", world_size),
         "trainable": _trainable_values(trainable),
         "quantization": _quantization_values(quantization),
+        "compile": _values("compile", compile),
         "task": _values("task", task),
         "prompt_length": _values("prompt_length", prompt_length),
         "new_tokens": _values("new_tokens", new_tokens),

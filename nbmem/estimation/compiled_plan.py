@@ -1,0 +1,216 @@
+"""``compile=True`` estimates: a compiled step's memory from inductor's own code, on fake tensors (issue 23).
+
+Inductor turns a model's forward and backward into Python wrapper code that
+allocates each buffer (``empty_strided_cpu``), calls fused kernels on them,
+reuses and frees them in the order it planned, and returns the outputs and
+the activations it saves for backward. That wrapper is the memory plan.
+nbmem lets inductor do all of its work (Dynamo's capture, AOTAutograd's
+partition into forward and backward, decompositions, lowering, fusion,
+scheduling, buffer reuse, code generation) on the estimate's fake tensors, and
+cuts it off at one point: the kernels are never compiled (a C++ or Triton
+build, most of a real compile's time). The wrapper is loaded with each kernel
+a call that does nothing, and its buffers are made through the dispatcher, so
+the fake mode makes them and the estimate's tracker counts them as a real run
+would. On this CPU the figures equal the allocator's own (torch.profiler's
+events) to the byte for an MLP, a CNN with BatchNorm and a GPT-2
+(benchmarks/bench_compiled.py).
+
+What it rests on, as torch 2.13 has it (private APIs, checked at use; any
+missing, the estimate runs eagerly and says so):
+
+- ``torch._inductor.codecache.PyCodeCache.load_by_key_path``: where inductor
+  loads a wrapper; nbmem's loader builds a fresh module, never cached, so no
+  other compile can pick up kernels that do nothing;
+- ``torch._inductor.compile_fx.compile_fx`` and ``compile_fx_inner``: every
+  inductor compile in the estimate goes through them; while they run (tracing
+  on the estimate's fake tensors) the tracker looks away;
+- ``torch._inductor.async_compile.AsyncCompile``: what a wrapper asks for its
+  kernels; a stand-in hands out calls that do nothing;
+- the caches (FX graph, AOTAutograd) are off for the estimate, and inductor's
+  compile workers are not started.
+
+The plan is inductor's plan for the device the fake tensors are on, the CPU:
+on a GPU inductor emits Triton kernels and may fuse differently (untested on
+CUDA), and ``mode="reduce-overhead"`` (CUDA graphs) keeps its own pool, which
+this plan does not show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+from typing import Any, Callable, Iterator
+
+import torch
+
+__all__ = ["planned_inductor", "compile_for_estimate", "missing_internals", "planned_calls", "PLAN_NOTE", "UNPLANNED_NOTE"]
+
+#: What an estimate with compile=True says about its figures.
+PLAN_NOTE = (
+    "compiled: torch.compile (inductor) ran on the fake tensors up to its generated code, whose buffers, reuse and "
+    "frees are counted (its kernels were not built or run); inductor's plan for the CPU, which equals the CPU "
+    "allocator's own figures to the byte on an MLP, a CNN and a GPT-2 (benchmarks/bench_compiled.py); on a GPU "
+    "Triton's fusion may differ (untested on CUDA)"
+)
+
+
+#: What it says when the model's compiled code never ran (Dynamo fell back to its eager Python).
+UNPLANNED_NOTE = (
+    "EAGER FIGURES: compile=True, but no compiled graph of the model ran, so these are the eager step's figures. "
+    "Dynamo ran the model's Python: it stops compiling a function after torch._dynamo.config.recompile_limit "
+    "recompiles (8), or once it skipped its code (a graph break in every frame, or a call under a dispatch mode); "
+    "torch._dynamo.reset() in a fresh cell, or a fresh kernel, lets it compile again"
+)
+
+_calls = 0
+
+
+def planned_calls() -> int:
+    """How many planned graphs (forward or backward) have run in this process: an estimate compares two readings."""
+    return _calls
+
+
+def missing_internals() -> str | None:
+    """What this torch lacks of the inductor internals a compile=True estimate uses (None: it has them all)."""
+    try:
+        from torch._inductor import async_compile, codecache, compile_fx
+    except ImportError as error:  # a torch built without inductor
+        return f"torch._inductor can't be imported ({error})"
+    needed = {
+        "PyCodeCache.load_by_key_path": getattr(codecache.PyCodeCache, "load_by_key_path", None),
+        "compile_fx.compile_fx": getattr(compile_fx, "compile_fx", None),
+        "compile_fx.compile_fx_inner": getattr(compile_fx, "compile_fx_inner", None),
+        "async_compile.AsyncCompile": getattr(async_compile, "AsyncCompile", None),
+    }
+    absent = [name for name, value in needed.items() if value is None]
+    return f"this torch has no {', '.join(absent)} in torch._inductor" if absent else None
+
+
+class _NoKernel:
+    """A kernel that does nothing: called, or asked for ``.run`` (Triton's launcher) and then called."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return self
+
+
+class _NoCompile:
+    """``AsyncCompile`` for a planned wrapper: each kernel it asks for is one that does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait(self, scope: dict[str, Any]) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Callable[..., _NoKernel]:
+        return lambda *args, **kwargs: _NoKernel()
+
+    @staticmethod
+    def warm_pool() -> None:
+        pass
+
+
+def _empty_strided(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+    # inductor's C helpers make tensors below the dispatcher; this goes through it, so the fake mode makes them
+    return torch.empty_strided(size, stride, dtype=dtype, device="cpu")
+
+
+def _reinterpret_tensor(tensor: torch.Tensor, size: Any, stride: Any, offset: int) -> torch.Tensor:
+    return tensor.as_strided(size, stride, tensor.storage_offset() + offset)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_HELPERS: dict[str, Callable[..., Any]] = {
+    **{f"empty_strided_{kind}": _empty_strided for kind in ("cpu", "cpu_pinned", "cuda", "xpu", "mtia", "mps")},
+    "reinterpret_tensor": _reinterpret_tensor,
+    "assert_size_stride": _ignore,
+    "assert_alignment": _ignore,
+}
+
+
+def _load_planned(key: str, path: str, linemap: Any = None, attrs: dict[str, Any] | None = None, **_: Any) -> Any:
+    """A wrapper module built afresh from inductor's generated code, its kernels doing nothing (never cached)."""
+    from torch._inductor import async_compile
+
+    with open(path, encoding="utf-8") as file:
+        source = file.read()
+    module = types.ModuleType(f"nbmem_planned_{key}")
+    module.__file__ = path
+    real = async_compile.AsyncCompile
+    setattr(async_compile, "AsyncCompile", _NoCompile)  # what the wrapper imports while it loads
+    try:
+        exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102  # inductor's own generated code
+    finally:
+        setattr(async_compile, "AsyncCompile", real)
+    for name, helper in _HELPERS.items():
+        if name in module.__dict__:
+            module.__dict__[name] = helper
+    for name, value in (attrs or {}).items():
+        setattr(module, name, value)
+    run = module.__dict__["call"]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        global _calls
+        _calls += 1
+        return run(*args, **kwargs)
+
+    module.__dict__["call"] = call
+    return module
+
+
+def _unseen(fake_mode: Any, run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` with the fake mode's tracker looking away: a compile's tracing is not the step's memory."""
+
+    @functools.wraps(run)
+    def unseen(*args: Any, **kwargs: Any) -> Any:
+        carried = fake_mode._nbmem_tracker
+        fake_mode._nbmem_tracker = None
+        try:
+            return run(*args, **kwargs)
+        finally:
+            fake_mode._nbmem_tracker = carried
+
+    return unseen
+
+
+@contextlib.contextmanager
+def planned_inductor(fake_mode: Any) -> Iterator[None]:
+    """Inside, every inductor compile plans on fake tensors, unseen by the tracker, and builds no kernel."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import compile_fx as compile_module, config as inductor_config
+    from torch._inductor.codecache import PyCodeCache
+
+    real_load, real_compile, real_inner = (PyCodeCache.__dict__["load_by_key_path"], compile_module.compile_fx,
+                                           compile_module.compile_fx_inner)
+
+    def compile_fx(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("inner_compile", _unseen(fake_mode, real_inner))  # the backward compiles later, lazily
+        return _unseen(fake_mode, real_compile)(model, inputs, *args, **kwargs)
+
+    settings = {name: value for name, value in (("fx_graph_cache", False), ("fx_graph_remote_cache", False),
+                                                 ("compile_threads", 1), ("autotune_local_cache", False))
+                if hasattr(inductor_config, name)}
+    functorch = {name: False for name in ("enable_autograd_cache", "enable_remote_autograd_cache")
+                 if hasattr(functorch_config, name)}
+    with inductor_config.patch(settings), functorch_config.patch(functorch):
+        PyCodeCache.load_by_key_path = classmethod(lambda cls, *args, **kwargs: _load_planned(*args, **kwargs))  # type: ignore[method-assign, assignment]
+        compile_module.compile_fx = compile_fx  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            PyCodeCache.load_by_key_path = real_load  # type: ignore[method-assign]
+            compile_module.compile_fx = real_compile
+
+
+def compile_for_estimate(model: torch.nn.Module) -> torch.nn.Module:
+    """The estimate's copy of the model, compiled with inductor (a model compiled already: its own module again)."""
+    inner = getattr(model, "_orig_mod", model)
+    compiled: torch.nn.Module = torch.compile(inner)  # type: ignore[assignment]  # an OptimizedModule
+    return compiled
