@@ -171,6 +171,23 @@ def test_04_autocast_note_and_timed_steps(nb04: nbformat.NotebookNode) -> None:
     assert ratio and float(ratio.group(1)) < 0.7, timed  # the time ratio is printed, not asserted: CPU timing is noisy
 
 
+def test_04_compile_is_a_third_knob_and_lines_say_where_memory_goes(nb04: nbformat.NotebookNode) -> None:
+    printed = _text(_cell(nb04, "for row in compiled:"))
+    rows = {(precision, planned): (_bytes(peak, unit), _bytes(held, held_unit)) for precision, planned, peak, unit, held,
+            held_unit in re.findall(r"(\w+) +compile=(\w+) +peak +([0-9.]+) (\w+), activations at the peak +([0-9.]+) "
+                                    r"(\w+)", printed)}
+    assert len(rows) == 4, printed
+    for precision in ("fp32", "bf16"):  # the markdown says: here the compiled step holds more, in activations
+        assert rows[precision, "True"][0] > rows[precision, "False"][0], printed
+        assert rows[precision, "True"][1] > rows[precision, "False"][1], printed
+    lines = _text(_cell(nb04, "%%gpumem --lines --text"))
+    assert "by line of your code" in lines
+    table = {row.split("  ")[-1].strip(): row for row in lines.splitlines() if re.match(r"\s+cell \[", row)}
+    assert {"loss.backward()", "optimizer.step()", "x = layer(x)"} <= set(table), lines
+    first = next(row for row in lines.splitlines() if re.match(r"\s+(cell \[|\(alive)", row))
+    assert first.rstrip().endswith("x = layer(x)"), lines  # the saved activations hold the most at the peak
+
+
 # -- 05: estimate before you run ----------------------------------------------------------
 
 
