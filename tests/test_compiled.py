@@ -406,3 +406,42 @@ def test_a_sweep_puts_the_eager_step_beside_the_compiled_one_and_a_compiled_loss
 
     with_loss = nbmem.estimate(mlp, batch, batch_size=512, optimizer="sgd", step=step_with_compiled_loss, compile=True)
     assert not any(note.startswith(("estimated as eager", "EAGER FIGURES")) for note in with_loss.notes)
+
+
+def test_compile_refuses_measured_and_generate():
+    from nbmem.estimation.plan import Plan
+
+    with pytest.raises(ValueError, match="a measured run's breakdown tracker makes PyTorch run compiled code eagerly"):
+        Plan(batch_size=8, compile=True, mode="measured")
+    with pytest.raises(ValueError, match="generation calls the model's generate"):
+        Plan(batch_size=1, compile=True, task="generate", prompt_length=8, new_tokens=2)
+
+
+def test_a_planned_graph_refuses_to_run_after_its_estimate(tmp_path):
+    from nbmem.estimation.compiled_plan import OUTSIDE_ESTIMATE, Planning, _load_planned
+    from nbmem.estimation.fakemode import new_fake_mode
+
+    wrapper = tmp_path / "wrapper.py"
+    wrapper.write_text("def call(args):\n    return [len(args)]\n", encoding="utf-8")
+    planning = Planning(new_fake_mode())
+    module = _load_planned(planning, "key", str(wrapper))
+    assert module.call([1, 2]) == [2] and planning.calls == 1
+    planning.active = False  # the estimate is over: Dynamo may still hold the graph
+    with pytest.raises(RuntimeError, match="outside its estimate"):
+        module.call([1])
+    assert "torch._dynamo.reset()" in OUTSIDE_ESTIMATE
+
+
+def test_a_compile_estimate_leaves_dynamos_shape_state_and_inductors_settings(fresh_dynamo):
+    import copy
+
+    from torch._dynamo import pgo
+    from torch._inductor import config as inductor_config
+
+    before = copy.deepcopy(pgo._CODE_STATE)
+    with inductor_config.patch(cpp_wrapper=True):  # a C++ wrapper would run real kernels on fake tensors
+        for size in (256, 512):  # a second batch size would mark the batch dimension dynamic
+            result = nbmem.estimate(mlp, batch, batch_size=size, optimizer="sgd", compile=True)
+            assert any(note.startswith("compiled: torch.compile (inductor) ran") for note in result.notes)
+        assert inductor_config.cpp_wrapper is True
+    assert pgo._CODE_STATE == before

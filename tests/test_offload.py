@@ -139,3 +139,35 @@ def test_estimate_trainer_runs_a_deepspeed_stage_3_offload_configuration():
     with pytest.raises(ValueError, match=r"deepspeed reduce_bucket_size=500000000\.0 \(DeepSpeed.s own buffers"):
         nbmem.estimate_trainer({**arguments, "deepspeed": {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}},
                                model=build, batch=make, world_size=4)
+
+
+def test_cpu_offload_with_frozen_layers_offloads_only_trained_gradients():
+    def frozen_first():
+        model = build()
+        model[0].requires_grad_(False)  # as LoRA's base weights, or trainable=, leave layers frozen
+        return model
+
+    result = nbmem.estimate(frozen_first, make, parallel="zero3", cpu_offload=True, **OPTIONS)
+    assert _after(result)["parameter"] == _after(result)["optimizer state"] == 0
+    frozen = 4 * (64 * 128 + 64)  # rank 0's shard of the first Linear(128, 256): 64 rows and 64 biases, fp32
+    assert result.host == 3 * 823_816 + 16 * 4 - 2 * frozen - 2 * 4  # no Adam state (nor step counters) for it
+
+
+def test_sweeps_leave_compile_out_of_data_parallel_configurations_and_trainers_map_torch_compile():
+    table = nbmem.sweep(build, make, batch_size=16, optimizer="adam", parallel=["single", "zero3"], world_size=[1, 4],
+                        compile=[False, True], progress=False)
+    configurations = {(row.value("parallel"), row.value("compile")) for row in table.rows}
+    assert configurations == {("single", False), ("single", True), ("zero3", False)}
+    read = knobs_from_training_arguments(_args(torch_compile=True))
+    assert read.knobs["compile"] is True
+    sharded = knobs_from_training_arguments(_args(torch_compile=True, deepspeed={"zero_optimization": {"stage": 3}}),
+                                            world_size=4)
+    assert "compile" not in sharded.knobs
+
+
+def test_deepspeed_bf16_at_stage_3_is_fsdp_mixed_precision_not_autocast():
+    config = {"zero_optimization": {"stage": 3}, "bf16": {"enabled": "auto"}}
+    read = knobs_from_training_arguments(_args(deepspeed=config, bf16=True), world_size=4)
+    assert (read.knobs["precision"], read.knobs["mp_policy"]) == ("fp32", "bf16") and read.not_understood == ()
+    stage1 = knobs_from_training_arguments(_args(deepspeed={"zero_optimization": {"stage": 1}}, bf16=True), world_size=4)
+    assert "estimated as autocast over fp32 weights" in stage1.not_understood[0]

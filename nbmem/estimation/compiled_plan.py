@@ -38,13 +38,16 @@ this plan does not show.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import types
+import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["planned_inductor", "compile_for_estimate", "missing_internals", "planned_calls", "PLAN_NOTE", "UNPLANNED_NOTE"]
+__all__ = ["planned_inductor", "compile_for_estimate", "dynamo_shapes_left_as_found", "quiet_about_hooks", "missing_internals", "Planning", "PLAN_NOTE", "UNPLANNED_NOTE"]
 
 #: What an estimate with compile=True says about its figures.
 PLAN_NOTE = (
@@ -55,7 +58,7 @@ PLAN_NOTE = (
 )
 
 
-#: What it says when the model's compiled code never ran (Dynamo fell back to its eager Python).
+#: What it says when no compiled graph ran (Dynamo fell back to its eager Python).
 UNPLANNED_NOTE = (
     "EAGER FIGURES: compile=True, but no compiled graph of the model ran, so these are the eager step's figures. "
     "Dynamo ran the model's Python: it stops compiling a function after torch._dynamo.config.recompile_limit "
@@ -63,12 +66,21 @@ UNPLANNED_NOTE = (
     "torch._dynamo.reset() in a fresh cell, or a fresh kernel, lets it compile again"
 )
 
-_calls = 0
+#: What a planned graph says if it is ever called outside its estimate (its kernels do nothing).
+OUTSIDE_ESTIMATE = (
+    "a graph planned by nbmem.estimate(compile=True) was called outside its estimate: its kernels do nothing, so "
+    "it must not run on real tensors. Run torch._dynamo.reset() and call the compiled code again (it compiles for "
+    "real)"
+)
 
 
-def planned_calls() -> int:
-    """How many planned graphs (forward or backward) have run in this process: an estimate compares two readings."""
-    return _calls
+class Planning:
+    """One estimate's planned compiles: how many planned graphs ran, and whether the estimate is still on."""
+
+    def __init__(self, fake_mode: Any) -> None:
+        self.fake_mode = weakref.ref(fake_mode)  # a lazily compiled backward keeps this object: not the mode
+        self.calls = 0
+        self.active = True
 
 
 def missing_internals() -> str | None:
@@ -135,7 +147,8 @@ _HELPERS: dict[str, Callable[..., Any]] = {
 }
 
 
-def _load_planned(key: str, path: str, linemap: Any = None, attrs: dict[str, Any] | None = None, **_: Any) -> Any:
+def _load_planned(planning: Planning, key: str, path: str, linemap: Any = None, attrs: dict[str, Any] | None = None,
+                  **_: Any) -> Any:
     """A wrapper module built afresh from inductor's generated code, its kernels doing nothing (never cached)."""
     from torch._inductor import async_compile
 
@@ -144,8 +157,8 @@ def _load_planned(key: str, path: str, linemap: Any = None, attrs: dict[str, Any
     module = types.ModuleType(f"nbmem_planned_{key}")
     module.__file__ = path
     real = async_compile.AsyncCompile
-    setattr(async_compile, "AsyncCompile", _NoCompile)  # what the wrapper imports while it loads
     try:
+        setattr(async_compile, "AsyncCompile", _NoCompile)  # what the wrapper imports while it loads
         exec(compile(source, path, "exec"), module.__dict__)  # noqa: S102  # inductor's own generated code
     finally:
         setattr(async_compile, "AsyncCompile", real)
@@ -157,19 +170,23 @@ def _load_planned(key: str, path: str, linemap: Any = None, attrs: dict[str, Any
     run = module.__dict__["call"]
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        global _calls
-        _calls += 1
+        if not planning.active:  # Dynamo keeps the graph: a later call with inputs its guards let through
+            raise RuntimeError(OUTSIDE_ESTIMATE)
+        planning.calls += 1
         return run(*args, **kwargs)
 
     module.__dict__["call"] = call
     return module
 
 
-def _unseen(fake_mode: Any, run: Callable[..., Any]) -> Callable[..., Any]:
+def _unseen(planning: Planning, run: Callable[..., Any]) -> Callable[..., Any]:
     """``run`` with the fake mode's tracker looking away: a compile's tracing is not the step's memory."""
 
     @functools.wraps(run)
     def unseen(*args: Any, **kwargs: Any) -> Any:
+        fake_mode = planning.fake_mode()
+        if fake_mode is None:  # the estimate is over (a backward compiled later, outside it)
+            return run(*args, **kwargs)
         carried = fake_mode._nbmem_tracker
         fake_mode._nbmem_tracker = None
         try:
@@ -180,37 +197,82 @@ def _unseen(fake_mode: Any, run: Callable[..., Any]) -> Callable[..., Any]:
     return unseen
 
 
+#: Inductor settings a planned compile needs: no cache (a planned wrapper must never be stored or found), no compile
+#: workers, Python wrapper code (a C++ wrapper would run real kernels on fake tensors), no freezing (it reads values).
+_SETTINGS = (("fx_graph_cache", False), ("fx_graph_remote_cache", False), ("autotune_local_cache", False),
+             ("compile_threads", 1), ("cpp_wrapper", False), ("freezing", False))
+
+
 @contextlib.contextmanager
-def planned_inductor(fake_mode: Any) -> Iterator[None]:
-    """Inside, every inductor compile plans on fake tensors, unseen by the tracker, and builds no kernel."""
+def planned_inductor(fake_mode: Any) -> Iterator[Planning]:
+    """Inside, every inductor compile plans on fake tensors, unseen by the tracker, and builds no kernel.
+
+    Yields the estimate's :class:`Planning`; once it ends, a planned graph called again raises.
+    """
     from torch._functorch import config as functorch_config
     from torch._inductor import compile_fx as compile_module, config as inductor_config
     from torch._inductor.codecache import PyCodeCache
 
+    planning = Planning(fake_mode)
     real_load, real_compile, real_inner = (PyCodeCache.__dict__["load_by_key_path"], compile_module.compile_fx,
                                            compile_module.compile_fx_inner)
+    settings = {name: value for name, value in _SETTINGS if hasattr(inductor_config, name)}
 
     def compile_fx(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("inner_compile", _unseen(fake_mode, real_inner))  # the backward compiles later, lazily
-        return _unseen(fake_mode, real_compile)(model, inputs, *args, **kwargs)
+        kwargs.setdefault("inner_compile", _unseen(planning, real_inner))  # the backward compiles later, lazily
+        if kwargs.get("config_patches"):  # a compile's own options must not undo the settings above
+            kwargs["config_patches"] = {key: value for key, value in kwargs["config_patches"].items()
+                                        if key not in settings}
+        return _unseen(planning, real_compile)(model, inputs, *args, **kwargs)
 
-    settings = {name: value for name, value in (("fx_graph_cache", False), ("fx_graph_remote_cache", False),
-                                                 ("compile_threads", 1), ("autotune_local_cache", False))
-                if hasattr(inductor_config, name)}
     functorch = {name: False for name in ("enable_autograd_cache", "enable_remote_autograd_cache")
                  if hasattr(functorch_config, name)}
     with inductor_config.patch(settings), functorch_config.patch(functorch):
-        PyCodeCache.load_by_key_path = classmethod(lambda cls, *args, **kwargs: _load_planned(*args, **kwargs))  # type: ignore[method-assign, assignment]
-        compile_module.compile_fx = compile_fx  # type: ignore[assignment]
         try:
-            yield
+            PyCodeCache.load_by_key_path = classmethod(  # type: ignore[method-assign, assignment]
+                lambda cls, *args, **kwargs: _load_planned(planning, *args, **kwargs))
+            compile_module.compile_fx = compile_fx  # type: ignore[assignment]
+            yield planning
         finally:
+            planning.active = False
             PyCodeCache.load_by_key_path = real_load  # type: ignore[method-assign]
             compile_module.compile_fx = real_compile
 
 
-def compile_for_estimate(model: torch.nn.Module) -> torch.nn.Module:
-    """The estimate's copy of the model, compiled with inductor (a model compiled already: its own module again)."""
+def compile_for_estimate(model: torch.nn.Module, notes: list[str]) -> torch.nn.Module:
+    """The estimate's copy of the model, ``torch.compile``'d with inductor, static shapes (a model the user compiled:
+    its module again, compiled with the defaults, said in ``notes``)."""
     inner = getattr(model, "_orig_mod", model)
-    compiled: torch.nn.Module = torch.compile(inner)  # type: ignore[assignment]  # an OptimizedModule
+    if inner is not model:
+        notes.append("compile=True: your torch.compile'd model was compiled again with inductor's defaults (its own "
+                     "mode, backend and options are not carried over)")
+    # a wrapper, not Module.compile(): compiling _call_impl in place traces the tracker's global hooks too
+    compiled: torch.nn.Module = torch.compile(inner, dynamic=False)  # type: ignore[assignment]  # an OptimizedModule
     return compiled
+
+
+@contextlib.contextmanager
+def quiet_about_hooks() -> Iterator[None]:
+    """Without PyTorch's warning that global module hooks (the tracker's attribution) fire on the compiled wrapper."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+        yield
+
+
+@contextlib.contextmanager
+def dynamo_shapes_left_as_found() -> Iterator[None]:
+    """What Dynamo learnt of shapes (``torch._dynamo.pgo``, which marks a dimension dynamic once it changed) put
+    back as it was: an estimate's batch sizes must not make the user's later compile dynamic.
+
+    The estimate's compiled graphs stay in Dynamo's caches (they can't be taken out alone); their guards want fake
+    tensors, and if one were ever called again it would raise (:data:`OUTSIDE_ESTIMATE`).
+    """
+    from torch._dynamo import pgo
+
+    state = {name: copy.deepcopy(getattr(pgo, name)) for name in ("_CODE_STATE", "_INIT_CODE_STATE")
+             if hasattr(pgo, name)}
+    try:
+        yield
+    finally:
+        for name, value in state.items():
+            setattr(pgo, name, value)

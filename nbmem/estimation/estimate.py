@@ -42,8 +42,8 @@ from .optimizers import in_backward, library_optimizer, optimizer_factory, targe
 from .workspaces import WithWorkspaces, workspaces_for
 from .parallel import fsdp_family, fsdp_units, host_figures, host_note, offload_to_host, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
-from .compiled_plan import (PLAN_NOTE, UNPLANNED_NOTE, compile_for_estimate, missing_internals, planned_calls,
-                            planned_inductor)
+from .compiled_plan import (PLAN_NOTE, UNPLANNED_NOTE, compile_for_estimate, dynamo_shapes_left_as_found,
+                            missing_internals, planned_inductor, quiet_about_hooks)
 from .quantized_kernels import QuantizedKernels
 from .quantized_layers import follow_cuda
 from .result import Estimate
@@ -282,13 +282,15 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     outer = fake_mode if fake_mode is not None else contextlib.nullcontext()
     # an estimate leaves the objects made before it out of the collector's scans (tracking.live)
     unscanned = older_objects_unscanned() if fake_mode is not None else contextlib.nullcontext()
+    planned = plan.compile and compile_unplanned(notes) is None  # compile=True, and this torch's inductor can plan
+    planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones. Not
         # for compile=True: inductor's CPU plan follows oneDNN being there, as a real compile's does.
-        onednn = without_onednn() if not plan.compile else contextlib.nullcontext()
+        onednn = without_onednn() if not planned else contextlib.nullcontext()
         with group as mesh, onednn, unscanned, outer, scope(capacity=limit, timeline=timeline) as whole, contextlib.ExitStack() as target_rules:
             network = fresh_model(model, fake_mode, run_on, notes, require_trainable=trainable is None and task == "train")
             if plan.quantized is not None:
@@ -328,12 +330,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             )
             if plan.cpu_offload and fake_mode is not None:
                 offload_to_host(network, opt, whole.tracker)
-            planned = plan.compile and compile_unplanned(notes) is None
-            graphs_before = planned_calls()
             if planned:
-                if fake_mode is not None:
-                    target_rules.enter_context(planned_inductor(fake_mode))
-                network = compile_for_estimate(network)
+                planning = target_rules.enter_context(planned_inductor(fake_mode))
+                target_rules.enter_context(dynamo_shapes_left_as_found())
+                target_rules.enter_context(quiet_about_hooks())
+                network = compile_for_estimate(network, notes)
             managed = prepare_low_bit(opt, network, fake_mode, whole.tracker, notes)
             region = policy.region if policy is not None else torch.autocast
             cache = CacheRecord()
@@ -436,11 +437,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes.append(tracker_alongside_note("step's run without the breakdown's tracker"))
     else:
         notes += plan.allocator.simulation_notes()
-        notes.append("kernel workspaces are not included (CPU oneDNN kernels are turned off for the step; cuDNN's are untested)")
-    if planned and mode == "estimated" and planned_calls() == graphs_before:
-        notes.insert(0, UNPLANNED_NOTE)
-    elif planned:
-        notes.append(PLAN_NOTE if mode == "estimated" else "compiled: torch.compile (inductor) built and ran the model")
+        notes.append("kernel workspaces are not included (cuDNN's are untested; inductor's plan follows oneDNN's CPU "
+                     "kernels)" if planned else "kernel workspaces are not included (CPU oneDNN kernels are turned off "
+                     "for the step; cuDNN's are untested)")
+    if planning is not None:
+        notes.insert(0, UNPLANNED_NOTE) if planning.calls == 0 else notes.append(PLAN_NOTE)
     elif compiled_calls:
         notes.append(compiled_note(mode, compiled_calls))
     if step is not None:

@@ -233,7 +233,8 @@ def offload_to_host(model: nn.Module, optimizer: torch.optim.Optimizer, tracker:
     """
     for parameter in model.parameters():
         tracker.moved_to_host(parameter)
-        parameter.register_post_accumulate_grad_hook(lambda shard: tracker.moved_to_host(shard.grad))
+        if parameter.requires_grad:  # a frozen one (LoRA's base, trainable=) makes no gradient
+            parameter.register_post_accumulate_grad_hook(lambda shard: tracker.moved_to_host(shard.grad))
     step = optimizer.step
 
     @functools.wraps(step)

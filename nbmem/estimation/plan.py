@@ -187,8 +187,13 @@ class Plan:
         reason = ("a tracked run's dispatch mode makes PyTorch run compiled code eagerly: estimate it "
                   "(mode='estimated'), or measure your compiled step with nbmem.track(), whose native engine counts "
                   "inductor's buffers" if self.mode == "tracked" else
+                  "a measured run's breakdown tracker makes PyTorch run compiled code eagerly: estimate it "
+                  "(mode='estimated'), or measure your own compiled step with %%gpumem or nbmem.measure(), which see "
+                  "compiled code as it runs" if self.mode == "measured" else
                   f"parallel={self.parallel!r} is estimated eagerly (FSDP's and DDP's compiled graphs are not "
                   "planned here)" if self.parallel != "single" else
+                  "generation calls the model's generate(), which runs the module uncompiled: estimate one forward "
+                  "with task='inference'" if self.task == "generate" else
                   "quantized layers are estimated eagerly" if self.quantization is not None else "")
         if reason:
             raise ValueError(f"compile=True can't be estimated here: {reason}; leave compile out")

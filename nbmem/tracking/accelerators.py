@@ -146,7 +146,7 @@ class DeviceCounter:
             return (lambda: torch.cuda.memory_allocated(index), lambda: torch.cuda.memory_reserved(index),
                     lambda: torch.cuda.max_memory_allocated(index), lambda: torch.cuda.max_memory_reserved(index))
         if self.device.type == "mps" and module is not None:  # MPS keeps no peaks; its driver's figure is reserved
-            return (module.current_allocated_memory, module.driver_allocated_memory, _none, _none)
+            return (lambda: module.current_allocated_memory(), lambda: module.driver_allocated_memory(), _none, _none)
         return (lambda: generic.memory_allocated(index), lambda: generic.memory_reserved(index),
                 lambda: generic.max_memory_allocated(index), lambda: generic.max_memory_reserved(index))
 

@@ -185,8 +185,10 @@ def sweep(
         options = used_knobs(chosen)
         config = tuple(options.items())
         key = tuple((name, _shown(name, value)) for name, value in config)
-        if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen:
-            continue  # one device has no world size to vary; a task ran this configuration already
+        if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen or \
+                (options["compile"] and options["parallel"] != "single"):
+            continue  # one device has no world size to vary; a task ran this configuration already; compile=True is
+            # estimated on one device
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
         # the optimizer it names (a task that trains nothing shows 'none' and builds none)
         # what checkpointed blocks keep applies to the configurations that checkpoint

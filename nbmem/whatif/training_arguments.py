@@ -107,7 +107,12 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
         _read_deepspeed(setting("deepspeed"), knobs, read, unknown, world_size if world_size is not None else
                         int(setting("world_size", 1) or 1))
     if setting("torch_compile", False):
-        read.append("torch_compile=True: estimated as the eager step (nbmem runs compiled code eagerly on fake tensors)")
+        if knobs.get("parallel", "single") == "single":
+            knobs["compile"] = True
+            read.append("torch_compile=True: compile=True (inductor plans the step on fake tensors)")
+        else:
+            read.append(f"torch_compile=True: estimated as the eager step (compile=True is estimated on one device, "
+                        f"and this is {knobs['parallel']})")
     if setting("use_liger_kernel", False):
         unknown.append("use_liger_kernel=True (Liger's fused kernels hold less than the model's own)")
     return TrainingKnobs(knobs, tuple(read), tuple(unknown))
@@ -175,7 +180,8 @@ def _read_deepspeed(config: Any, knobs: dict[str, Any], read: list[str], unknown
             with open(config) as file:
                 config = json.load(file)
         except (OSError, ValueError) as error:
-            unknown.append(f"deepspeed={config!r} (not a readable JSON file: {error})")
+            unknown.append(f"deepspeed={config!r} (not a readable JSON file: {error}; pass its settings as knobs "
+                           "instead: parallel='zero3', world_size=, cpu_offload=)")
             return
     if not isinstance(config, Mapping):
         unknown.append(f"deepspeed={config!r} (a dict or a JSON file's path is read)")
@@ -208,6 +214,15 @@ def _read_deepspeed(config: Any, knobs: dict[str, Any], read: list[str], unknown
         if enabled is True and knobs["precision"] != precision:
             unknown.append(f"deepspeed {precision} enabled while the arguments say {knobs['precision']} (set "
                            f"{precision}=True in the arguments, or precision={precision!r})")
+    if knobs["precision"] in ("bf16", "fp16") and stage >= 2:
+        # DeepSpeed does not autocast: its engine computes in bf16/fp16 weights and keeps fp32 master copies in the
+        # optimizer's partitions, as FSDP2's mixed precision does with fp32 shards
+        knobs["mp_policy"], knobs["precision"] = knobs["precision"], "fp32"
+        read.append(f"{knobs['mp_policy']} under DeepSpeed ZeRO stage {stage}: mp_policy={knobs['mp_policy']!r} "
+                    f"({knobs['mp_policy']} weights gathered and computed in, fp32 master shards and state), not autocast")
+    elif knobs["precision"] in ("bf16", "fp16") and strategy:
+        unknown.append(f"deepspeed {knobs['precision']} at stage {stage} ({knobs['precision']} weights with fp32 "
+                       "master copies, estimated as autocast over fp32 weights)")
 
 
 def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, strict: bool = True,
@@ -246,6 +261,8 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
         batch = _dataset_batches(source)
     read = knobs_from_training_arguments(args, world_size)
     settings = {**read.knobs, **knobs}
+    if settings.get("mode", "estimated") != "estimated" and settings.get("compile") and "compile" not in knobs:
+        settings["compile"] = False  # a real run of the step here: torch_compile's plan is an estimate's
     # a knob given explicitly answers for the setting it replaces
     unresolved = [text for text in read.not_understood if not _overridden(text, knobs)]
     if strict:
