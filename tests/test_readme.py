@@ -125,7 +125,7 @@ def test_every_fence_says_what_it_is():
     blocks = fenced_blocks(README.read_text(encoding="utf-8"))
     unknown = [(block.number, block.line - 1, block.language or "(none)") for block in blocks if block.language not in LANGUAGES]
     assert unknown == [], f"README.md fences must be one of {LANGUAGES} (block, line, fence): {unknown}"
-    assert sum(block.language == "python" for block in blocks) >= 5
+    assert sum(block.language == "python" for block in blocks) >= 4
 
 
 def test_fenced_blocks_finds_output_after_code_only():
@@ -137,11 +137,11 @@ def test_fenced_blocks_finds_output_after_code_only():
     assert _masked("[1]   x  0 B  0.00195 s   tracked") == "[1]   x  0 B  <seconds> s   tracked"
 
 
-@pytest.mark.slow
-def test_readme_python_blocks_run_in_order_in_a_fresh_ipython(tmp_path):
-    markdown = README.read_text(encoding="utf-8")
-    blocks = fenced_blocks(markdown)
-    code = [block for block in blocks if block.language == "python"]
+def run_in_order(pages: list[tuple[str, str]], tmp_path: Path) -> None:
+    """Every python block of ``pages`` ((name, markdown), in order) pasted into one fresh IPython; each text block
+    right after one must match what it printed (wall times masked, ``...`` for lines left out)."""
+    blocks_of = [(name, markdown, fenced_blocks(markdown)) for name, markdown in pages]
+    code = [block for _, _, blocks in blocks_of for block in blocks if block.language == "python"]
     source = tmp_path / "blocks.json"
     source.write_text(json.dumps([block.__dict__ for block in code]), encoding="utf-8")
     printed_file = tmp_path / "printed.json"
@@ -154,15 +154,36 @@ def test_readme_python_blocks_run_in_order_in_a_fresh_ipython(tmp_path):
         text=True,
         timeout=1800,  # hang protection only; it takes a few minutes on a busy 2-core machine
     )
-    assert done.returncode == 0, done.stderr[-6000:] + done.stdout[-2000:]
+    names = [name for name, _, blocks in blocks_of for block in blocks if block.language == "python"]
+    assert done.returncode == 0, f"(blocks in order: {sorted(set(names), key=names.index)})\n" + done.stderr[-6000:] \
+        + done.stdout[-2000:]
 
-    printed = dict(zip((block.number for block in code), json.loads(printed_file.read_text(encoding="utf-8"))))
-    for number, output in expected_outputs(markdown, blocks).items():
-        shown = [_masked(line) for line in printed[number].splitlines()]
-        for line in output.source.splitlines():
-            if line.strip() == "...":
-                continue
-            assert _masked(line) in shown, (
-                f"README block {output.number} (line {output.line}) shows a line that python block {number} "
-                f"did not print:\n{line}\nit printed:\n{printed[number]}"
-            )
+    printed = json.loads(printed_file.read_text(encoding="utf-8"))
+    at = 0
+    for name, markdown, blocks in blocks_of:
+        ran = [block for block in blocks if block.language == "python"]
+        mine = dict(zip((block.number for block in ran), printed[at : at + len(ran)]))
+        at += len(ran)
+        for number, output in expected_outputs(markdown, blocks).items():
+            shown = [_masked(line) for line in mine[number].splitlines()]
+            for line in output.source.splitlines():
+                if line.strip() == "...":
+                    continue
+                assert _masked(line) in shown, (
+                    f"{name} block {output.number} (line {output.line}) shows a line that python block {number} "
+                    f"did not print:\n{line}\nit printed:\n{mine[number]}"
+                )
+
+
+@pytest.mark.slow
+def test_readme_python_blocks_run_in_order_in_a_fresh_ipython(tmp_path):
+    run_in_order([("README.md", README.read_text(encoding="utf-8"))], tmp_path)
+
+
+def test_the_readme_is_a_landing_page():
+    """Issue 28: at most 15 KB; the rest lives on the site, which it links to."""
+    markdown = README.read_text(encoding="utf-8")
+    assert len(markdown.encode("utf-8")) <= 15 * 1024
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", markdown))
+    pages = {path.name for path in (README.parent / "docs").glob("*.md")}
+    assert pages - {"index.md"} <= linked, f"pages the README does not link to: {sorted(pages - linked)}"

@@ -1,0 +1,74 @@
+"""The docs site (issue 28): every page in the navigation, every example run, and a strict build.
+
+The pages' ``python`` blocks run as the README's do (``tests/test_readme.py``),
+page after page in the order of ``mkdocs.yml``'s ``nav``, in one fresh IPython:
+a page's examples may use what an earlier page defined, as a reader going
+through the site in order has it. The build is ``mkdocs build --strict``
+(a broken link or reference fails it) when the docs extra is installed:
+``NBMEM_REQUIRE_DOCS=1`` (CI) turns its absence into a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_readme import LANGUAGES, fenced_blocks, run_in_order
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+
+def nav() -> list[str]:
+    """The pages of mkdocs.yml's nav, in order (paths under docs/)."""
+    text = (ROOT / "mkdocs.yml").read_text(encoding="utf-8")
+    section = text[text.index("\nnav:\n"):]
+    section = section[: re.search(r"\n\S", section[1:]).start() + 1]  # up to the next top-level key
+    return re.findall(r":\s*([\w./-]+\.(?:md|ipynb))\s*$", section, flags=re.M)
+
+
+def test_every_page_and_notebook_is_in_the_navigation():
+    pages = nav()
+    assert pages[0] == "index.md" and len(pages) == len(set(pages))
+    written = {path.name for path in DOCS.glob("*.md")}
+    assert written == {page for page in pages if page.endswith(".md")}
+    notebooks = {f"notebooks/{path.name}" for path in (ROOT / "notebooks").glob("*.ipynb")}
+    assert notebooks == {page for page in pages if page.endswith(".ipynb")}
+    assert all((DOCS / page).exists() for page in pages)  # docs/notebooks is a link to the notebooks
+
+
+def test_every_fence_on_the_site_says_what_it_is():
+    for page in (page for page in nav() if page.endswith(".md")):
+        blocks = fenced_blocks((DOCS / page).read_text(encoding="utf-8"))
+        unknown = [(block.line - 1, block.language or "(none)") for block in blocks if block.language not in LANGUAGES]
+        assert unknown == [], f"docs/{page}: fences must be one of {LANGUAGES} (line, fence): {unknown}"
+
+
+@pytest.mark.slow
+def test_the_sites_examples_run_in_order_in_a_fresh_ipython(tmp_path):
+    pages = [(f"docs/{page}", (DOCS / page).read_text(encoding="utf-8")) for page in nav() if page.endswith(".md")]
+    assert sum(block.language == "python" for _, text in pages for block in fenced_blocks(text)) >= 20
+    run_in_order(pages, tmp_path)
+
+
+@pytest.mark.slow
+def test_the_site_builds_strict(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocs_jupyter") is None:
+        if os.environ.get("NBMEM_REQUIRE_DOCS"):
+            pytest.fail("NBMEM_REQUIRE_DOCS is set and the docs extra is not installed: pip install -e '.[docs]'")
+        pytest.skip("the docs extra is not installed (pip install -e '.[docs]')")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, NO_MKDOCS_2_WARNING="1"))
+    assert done.returncode == 0, done.stderr[-6000:]
+    built = tmp_path / "site"
+    assert (built / "estimate" / "index.html").exists() and (built / "reference" / "index.html").exists()
+    reference = (built / "reference" / "index.html").read_text(encoding="utf-8")
+    assert "max_batch_size" in reference and "estimate_trainer" in reference  # rendered from the docstrings
+    notebook = built / "notebooks" / "01-quickstart" / "index.html"
+    assert notebook.exists() and "%%gpumem" in notebook.read_text(encoding="utf-8")
