@@ -35,9 +35,12 @@ REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(path.name for path in (REPO / "notebooks").glob("*.ipynb"))
 _IGNORED = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
 
+# NBMEM_EXECUTED_NOTEBOOKS (.ci/run sets it): a folder that keeps each executed notebook, outputs and all, for the
+# docs site to render (tests/test_site.py), so the notebooks are not run a second time for it
 _EXECUTE = """
-import sys, time, nbclient, nbformat
+import os, sys, time, nbclient, nbformat
 failed = []
+keep = os.environ.get("NBMEM_EXECUTED_NOTEBOOKS")
 for name in sys.argv[1:]:
     notebook = nbformat.read(name, as_version=4)
     started = time.perf_counter()
@@ -45,6 +48,10 @@ for name in sys.argv[1:]:
         nbclient.NotebookClient(notebook, kernel_name="python3", timeout=600).execute()
     except Exception as error:  # report every notebook, then fail
         failed.append(f"{name}: {type(error).__name__}: {str(error)[-1500:]}")
+    else:
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            nbformat.write(notebook, os.path.join(keep, name))
     print(f"{name} {time.perf_counter() - started:.1f} s", flush=True)
 print("\\n".join(failed))
 sys.exit(1 if failed else 0)
