@@ -146,7 +146,7 @@ def test_global_batch_size_is_split_across_gpus_and_micro_batches():
     [
         (dict(batch_size=8, parallel="ddp", world_size=0), "at least 1"),
         (dict(batch_size=8, parallel="ddp", world_size=2.0), "whole number"),
-        (dict(batch_size=8, parallel="zero3", world_size=2), "single, ddp, zero1, fsdp, fsdp-no-reshard"),
+        (dict(batch_size=8, parallel="zero4", world_size=2), "single, ddp, zero1, fsdp, fsdp-no-reshard, zero2, zero3"),
         (dict(batch_size=8, parallel="single", world_size=4), "pick a strategy"),
         (dict(global_batch_size=50, parallel="ddp", world_size=4), "use a multiple of 4 .e.g. 48 or 52"),
         (dict(global_batch_size=64, batch_size=8, parallel="ddp", world_size=4), "exactly one of them"),
