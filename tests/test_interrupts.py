@@ -255,6 +255,10 @@ def test_real_sigint_at_random_moments(training):
             except KeyboardInterrupt:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 interrupted += 1
+                # PyTorch's own optimizer.step turns grad mode off and back on in a finally that a Ctrl-C can cut
+                # short (torch/optim/optimizer.py, _use_grad: CI saw it once, every later cell then failing in
+                # backward). That is torch's state, not nbmem's: put back, as a user would after such an interrupt.
+                torch.set_grad_enabled(True)
             # A Ctrl-C taken on the entry of a with statement's __exit__ (Python looks for signals on a
             # function's entry, before any try in it) never reaches stop(): the scope stays open, as
             # README's Limits say, and stopping it (as %unload_ext nbmem does) removes everything.
