@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from _notebooks import assert_committed_clean, execute, failed_cells, output_of, text
+from _notebooks import assert_committed_clean, executed, failed_cells, output_of, text
 
 from test_zoo import need
 
@@ -30,8 +30,7 @@ PARAMETERS = 2 * 32000 * 4096 + 32 * (4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096)
 @pytest.fixture(scope="module")
 def nb09() -> nbformat.NotebookNode:
     need("transformers", "peft", env="NBMEM_REQUIRE_ZOO")
-    notebook, _ = execute(PATH)
-    return notebook
+    return executed(PATH)
 
 
 def test_committed_clean() -> None:

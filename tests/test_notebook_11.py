@@ -13,7 +13,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from _notebooks import assert_committed_clean, execute, failed_cells, output_of
+from _notebooks import assert_committed_clean, executed, failed_cells, output_of
 
 from test_zoo import need
 
@@ -41,8 +41,7 @@ PARAMETERS = {
 def nb11() -> nbformat.NotebookNode:
     need("transformers", "peft", env="NBMEM_REQUIRE_ZOO")
     need("bitsandbytes", env="NBMEM_REQUIRE_QUANT")
-    notebook, _ = execute(PATH)
-    return notebook
+    return executed(PATH)
 
 
 def test_committed_clean() -> None:
