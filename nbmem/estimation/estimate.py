@@ -138,9 +138,8 @@ def estimate(
     host holds). ``compile=True`` estimates the model ``torch.compile``'d
     (inductor): inductor plans on the fake tensors and its generated code's
     buffers are counted, its kernels never built
-    (:mod:`nbmem.estimation.compiled_plan`); measured, the model is compiled
-    for real. Without it, compiled code in the step runs eagerly and the notes
-    say so.
+    (:mod:`nbmem.estimation.compiled_plan`; estimated mode only). Without it,
+    compiled code in the step runs eagerly and the notes say so.
 
     The step nbmem runs (:mod:`nbmem.estimation.step`), twice (``first_step``, then
     ``steady``): for each micro-batch it makes the batch, runs forward and
@@ -441,7 +440,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                      "kernels)" if planned else "kernel workspaces are not included (CPU oneDNN kernels are turned off "
                      "for the step; cuDNN's are untested)")
     if planning is not None:
-        notes.insert(0, UNPLANNED_NOTE) if planning.calls == 0 else notes.append(PLAN_NOTE)
+        if planning.calls == 0:
+            notes.insert(0, UNPLANNED_NOTE)
+        else:
+            notes.append(PLAN_NOTE)
     elif compiled_calls:
         notes.append(compiled_note(mode, compiled_calls))
     if step is not None:
