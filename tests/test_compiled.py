@@ -166,7 +166,7 @@ def test_a_virtual_capacity_keeps_the_dispatch_engine_and_says_why(eager_compile
     with nbmem.track("cpu", capacity="1GiB") as scope:
         step(fast, torch.randn(8, 256))
     assert (scope.engine, scope.result.compiled) == ("dispatch", "eager")
-    assert any("--capacity, --timeline and --lines need every op" in note for note in scope.result.notes)
+    assert any("--capacity and --timeline need every op" in note for note in scope.result.notes)
 
 
 @pytest.mark.slow  # inductor builds C++ kernels: seconds
@@ -219,6 +219,21 @@ def test_gpumem_cell_with_a_compiled_model_is_measured_compiled(shell, eager_com
     assert entry.compiled == "compiled"
     shell.run_cell("%%gpumem -q --backend tracked --device cpu --engine dispatch\nfast(torch.randn(8, 256)).sum().backward()")
     assert nbmem.history(shell)[-1].compiled == "eager"
+
+
+@needs_native
+def test_gpumem_lines_of_a_compiled_cell_are_measured_compiled(shell, eager_compiled):
+    shell.user_ns.update(fast=eager_compiled[1], torch=torch)
+    cell = shell.run_cell("%%gpumem -o -q --lines --backend tracked --device cpu\nx = torch.randn(8, 256)\nfast(x).sum().backward()")
+    result = cell.result
+    assert result.compiled == "compiled"
+    rows = {line.where: line for line in result.lines}
+    count = cell.execution_count
+    assert rows[f"cell [{count}], line 1"].allocated == 8 * 256 * 4  # 8 KiB: one block, a multiple of 512 B
+    assert rows[f"cell [{count}], line 2"].allocated > 0
+    assert sum(line.at_peak for line in result.lines) == result.peak_allocated
+    assert "by line of your code" in result.text()
+    shell.run_cell("del x")
 
 
 @needs_native

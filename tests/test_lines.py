@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
 
 import nbmem
+from nbmem.tracking.lines import _is_users
+from nbmem.tracking.native import available
 from nbmem.tracking.tracker import default_tracker
 
 MiB = 1024**2
+ENGINES = ["dispatch", pytest.param("native", marks=pytest.mark.skipif(not available(), reason="no C++ compiler"))]
+
+
+def lines_left(engine: str):
+    """The lines the engine's tracker still counts (None: nothing left counting)."""
+    if engine == "native":
+        from nbmem.tracking.native_tracking import native_tracker
+
+        return native_tracker()._lines
+    return default_tracker("cpu")._lines
 
 
 def by_where(result) -> dict[str, tuple[int, int]]:
     return {line.where: (line.at_peak, line.allocated) for line in result.lines}
 
 
-def three_tensors():
-    with nbmem.track("cpu", lines=True) as scope:
+def three_tensors(engine: str = "dispatch"):
+    with nbmem.track("cpu", lines=True, engine=engine) as scope:
         kept = torch.zeros(256, 1024)  # +1: 1 MiB, alive at the peak
         dropped = torch.zeros(512, 1024)  # +2: 2 MiB, the peak
         del dropped
@@ -25,8 +39,9 @@ def three_tensors():
     return scope.result, kept, late
 
 
-def test_each_line_is_charged_exactly_what_it_made():
-    result, kept, late = three_tensors()
+@pytest.mark.parametrize("engine", ENGINES)
+def test_each_line_is_charged_exactly_what_it_made(engine):
+    result, kept, late = three_tensors(engine)
     first = three_tensors.__code__.co_firstlineno
     here = f"test_lines.py:{first + 2}", f"test_lines.py:{first + 3}", f"test_lines.py:{first + 5}"
     lines = by_where(result)
@@ -37,22 +52,23 @@ def test_each_line_is_charged_exactly_what_it_made():
     # every byte in use at the peak is some line's, or was alive before
     assert sum(line.at_peak for line in result.lines) == result.peak_allocated
     assert lines.get("(alive before)", (0, 0))[0] == result.allocated_before
-    assert default_tracker("cpu")._lines is None  # nothing left counting after the scope
+    assert lines_left(engine) is None  # nothing left counting after the scope
 
 
-def training_step(model, optimizer, batch):
-    with nbmem.track("cpu", lines=True) as scope:
+def training_step(model, optimizer, batch, engine="dispatch"):
+    with nbmem.track("cpu", lines=True, engine=engine) as scope:
         loss = model(batch).sum()
         loss.backward()
         optimizer.step()
     return scope.result
 
 
-def test_backward_and_the_optimizer_are_charged_to_the_lines_that_call_them():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_backward_and_the_optimizer_are_charged_to_the_lines_that_call_them(engine):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    result = training_step(model, optimizer, torch.randn(32, 64))
+    result = training_step(model, optimizer, torch.randn(32, 64), engine)
     sources = {line.source: line for line in result.lines}
     assert set(sources) == {"", "loss = model(batch).sum()", "loss.backward()", "optimizer.step()"}
     # gradients: weight 64*256*4 + bias 256*4 + weight 256*8*4 + bias 8*4, each rounded to 512 B
@@ -75,21 +91,82 @@ def test_the_magic_shows_the_cells_lines(shell):
     shell.run_cell("del a, b")
 
 
-def test_lines_need_the_dispatch_engine():
-    with pytest.raises(ValueError, match="lines needs every op"):
-        nbmem.track("cpu", engine="native", lines=True)
+def test_lines_take_the_dispatch_engine_unless_compiled_code_or_asked():
     assert nbmem.track("cpu", lines=True).engine == "dispatch"
+    if available():
+        assert nbmem.track("cpu", lines=True, engine="native").engine == "native"
 
 
-def test_a_failing_block_still_has_its_lines_and_leaves_nothing_counting():
-    scope = nbmem.track("cpu", lines=True)
+@pytest.mark.skipif(not available(), reason="no C++ compiler")
+def test_the_native_engine_charges_the_same_lines_as_the_dispatch_engine():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = torch.randn(32, 64)
+    training_step(model, optimizer, batch)  # the momentum buffers exist from here on: two alike steps follow
+    dispatch = training_step(model, optimizer, batch, "dispatch")
+    native = training_step(model, optimizer, batch, "native")
+    assert native.peak_allocated == dispatch.peak_allocated
+    # (the native engine also lists the lines whose kernels' scratch came and went: 0 B at the peak)
+    at_peak = lambda result: {line.source: line.at_peak for line in result.lines if line.at_peak}  # noqa: E731
+    assert at_peak(native) == at_peak(dispatch)
+
+
+@pytest.mark.skipif(not available(), reason="no C++ compiler")
+def test_another_threads_allocations_go_to_the_line_the_asking_thread_is_at():
+    # the native engine sees every thread's allocations as they happen (a dispatch mode is the thread's own: the
+    # dispatch engine finds the worker's tensor at the block's end, and charges it to the line that ends the block)
+    made = []
+    worker = threading.Thread(target=lambda: made.append(torch.zeros(512, 1024)))  # 2 MiB, made on the worker
+    with nbmem.track("cpu", lines=True, engine="native") as scope:
+        worker.start(); worker.join()  # noqa: E702  (one line: the worker allocates while this one waits in it)
+    rows = {line.source: line.allocated for line in scope.result.lines if line.allocated}
+    assert rows == {"worker.start(); worker.join()  # noqa: E702  (one line: the worker allocates while this one waits in it)": 2 * MiB}
+
+
+def test_generated_code_is_never_the_users():
+    user = compile("x = 1", "/home/someone/train.py", "exec")
+    assert _is_users(user)
+    for generated in ("<eval_with_key>.3", "/tmp/torchinductor_someone/ab/cabcdef.py", "<frozen runpy>"):
+        assert not _is_users(compile("x = 1", generated, "exec")), generated
+
+
+@pytest.mark.skipif(not available(), reason="no C++ compiler")
+def test_a_compiled_models_lines_are_measured_compiled_and_charged_to_the_line_that_calls_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    fast = torch.compile(model, backend="aot_eager")  # FX code runs (<eval_with_key>), no C++ kernels to build
+    batch = torch.randn(32, 64)
+    fast(batch).sum().backward()  # compiled once, before the block
+    model.zero_grad(set_to_none=True)
+    without = nbmem.track("cpu", engine="native")
+    with without:
+        out = fast(batch).sum()
+        out.backward()
+    model.zero_grad(set_to_none=True)
+    del out
+    with nbmem.track("cpu", lines=True) as scope:
+        out = fast(batch).sum()
+        out.backward()
+    result = scope.result
+    assert (scope.engine, result.compiled) == ("native", "compiled")
+    assert result.peak_allocated == without.result.peak_allocated  # asking for lines changes nothing measured
+    assert sum(line.at_peak for line in result.lines) == result.peak_allocated
+    assert {line.source for line in result.lines} == {"", "out = fast(batch).sum()", "out.backward()"}
+    gradients = 64 * 256 * 4 + 256 * 4 + 256 * 8 * 4 + 512
+    assert {line.source: line.allocated for line in result.lines}["out.backward()"] >= gradients
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_failing_block_still_has_its_lines_and_leaves_nothing_counting(engine):
+    scope = nbmem.track("cpu", lines=True, engine=engine)
     with pytest.raises(RuntimeError):
         with scope:
             made = torch.zeros(256, 1024)  # noqa: F841
             raise RuntimeError("out of patience")
     assert scope.result.error == "RuntimeError"
     assert [line.allocated for line in scope.result.lines if "torch.zeros(256, 1024)" in line.source] == [MiB]
-    assert default_tracker("cpu")._lines is None
+    assert lines_left(engine) is None
 
 
 def test_results_with_lines_go_through_records():
@@ -98,12 +175,13 @@ def test_results_with_lines_go_through_records():
     assert again.lines == result.lines
 
 
-def test_a_second_lines_scope_never_charges_an_earlier_scopes_lines():
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_second_lines_scope_never_charges_an_earlier_scopes_lines(engine):
     # (found in review) records kept the line an earlier counter gave them: freeing one in a later scope made a
     # negative row, and the peak of a scope whose peak is its start was taken at its end
-    with nbmem.track("cpu", lines=True):
+    with nbmem.track("cpu", lines=True, engine=engine):
         first = torch.zeros(256, 1024)  # 1 MiB, charged to this line by the first scope
-    with nbmem.track("cpu", lines=True) as scope:
+    with nbmem.track("cpu", lines=True, engine=engine) as scope:
         del first  # the peak is the start: 1 MiB more than anything after
         later = torch.zeros(64, 1024)  # noqa: F841
     result = scope.result

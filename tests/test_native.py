@@ -44,7 +44,7 @@ def dispatch(**options) -> MemoryScope:
 
 def nothing_installed(model: nn.Module) -> None:
     tracker = native_tracker()
-    assert not tracker.installed() and not tracker.active
+    assert not tracker.installed() and not tracker.active and tracker._lines is None
     assert leftovers(model) == []
     assert global_hooks() == [] and not saved_tensors_hooks_installed()
 
@@ -518,6 +518,7 @@ NATIVE_INSTALL_REMOVE = {
     "activate", "deactivate", "_install", "_uninstall", "adopt_live", "count_made_unseen", "_count",  # trackers
     "install", "remove", "adopt_parameter", "remove_global_hooks", "_remove_saved_tensors_hooks",  # Attribution
     "walk", "open", "close", "close_above", "note_native", "forget_native",
+    "start_lines", "stop_lines", "table", "_line",  # lines (NativeTracker, NativeLines; its stop is above)
 }
 
 
@@ -525,7 +526,7 @@ def test_an_interrupt_at_every_line_of_the_install_and_remove_paths_leaves_nothi
     model, step = mlp
 
     def cell() -> None:
-        with native(breakdown=True):
+        with native(breakdown=True, lines=True):
             step()
 
     cell()

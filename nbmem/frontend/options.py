@@ -69,7 +69,7 @@ def read_options(parser: argparse.ArgumentParser, line: str, cell: str | None) -
             parse_capacity(args.capacity)
         if args.engine == "native" and (cell is not None or args.action == "on"):
             native_engine(  # builds the library once
-                *resolved, args.capacity, args.timeline or getattr(args, "snapshot", None) is not None, getattr(args, "lines", False)
+                *resolved, args.capacity, args.timeline or getattr(args, "snapshot", None) is not None
             )
     except (ValueError, RuntimeError) as error:  # RuntimeError: NativeUnavailable, saying why
         raise UsageError(str(error)) from None

@@ -8,6 +8,9 @@ installed in site-packages), so backward's allocations go to the ``loss.backward
 line and the optimizer's to ``optimizer.step()``; a storage that existed before
 goes to ``None`` (alive before the block). The counter keeps live bytes per line
 (taken into the breakdown at each peak, as categories are) and bytes allocated per line.
+The native engine keeps the same figures in C++ (its allocations charged from
+the Python stack read at each one, with the same rules for which files are the
+user's: :class:`nbmem.tracking.native_tracking.NativeLines`).
 
 A line is ``(file name, line number)``, or None for storages alive before the block.
 A stack walk per new storage, each file's verdict cached; nothing per op.
@@ -37,10 +40,18 @@ __all__ = ["LineCounter", "describe", "usage", "start_lines", "stop_lines"]
 
 _NBMEM = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(torch.__file__) + os.sep
-_NOT_THE_USERS = tuple(
-    {_NBMEM, _TORCH}
+#: a file name starting with one of these is not the user's: nbmem, PyTorch, the standard library, what is
+#: installed, frozen modules, the code FX generates (``torch.fx`` graphs, ``aot_eager``'s)
+NOT_THE_USERS_STARTING = tuple(sorted(
+    {_NBMEM, _TORCH, "<frozen", "<eval_with_key>"}
     | {path + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_paths().get(key))}
-)
+    | ({os.environ["TORCHINDUCTOR_CACHE_DIR"]} if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else set())
+))
+#: nor is one containing one of these (anything installed; inductor's generated code in its default cache)
+NOT_THE_USERS_CONTAINING = ("site-packages", "dist-packages", os.sep + "torchinductor_")
+
+#: the same rules for the native engine's C++: the prefixes one per line, an empty line, the parts
+NOT_THE_USERS_CHARS = os.fsencode("\n".join(NOT_THE_USERS_STARTING) + "\n\n" + "\n".join(NOT_THE_USERS_CONTAINING))
 
 #: file name -> whether its frames are the user's (by name: no code object is kept alive)
 _VERDICTS: dict[str, bool] = {}
@@ -50,12 +61,7 @@ def _is_users(code: CodeType) -> bool:
     name = code.co_filename
     verdict = _VERDICTS.get(name)
     if verdict is None:
-        verdict = not (
-            name.startswith(_NOT_THE_USERS)
-            or name.startswith("<frozen")
-            or "site-packages" in name
-            or "dist-packages" in name
-        )
+        verdict = not (name.startswith(NOT_THE_USERS_STARTING) or any(part in name for part in NOT_THE_USERS_CONTAINING))
         _VERDICTS[name] = verdict
     return verdict
 
@@ -117,6 +123,9 @@ def start_lines(tracker: Any, owner: object) -> LineCounter:
     same owner ends its part, and is safe to repeat, or to run for a start
     Ctrl-C cut short anywhere.
     """
+    native = getattr(tracker, "start_lines", None)
+    if native is not None:  # the native engine keeps its lines in C++
+        return native(owner)  # type: ignore[no-any-return]
     tracker.drain()
     counter: LineCounter | None = tracker._lines
     if counter is None:
@@ -134,6 +143,10 @@ def start_lines(tracker: Any, owner: object) -> LineCounter:
 
 def stop_lines(tracker: Any, owner: object) -> None:
     """``owner``'s scope no longer wants lines; the last one out stops them."""
+    native = getattr(tracker, "stop_lines", None)
+    if native is not None:
+        native(owner)
+        return
     counter = tracker._lines
     if counter is not None:
         counter.owners.discard(id(owner))

@@ -30,7 +30,11 @@ What it counts differs from the default engine, and results say so:
   Python's objects as the default engine does; one made before tracking and
   resized in place (``resize_``, FSDP2's parameter resizes) is counted at its
   old size until a whole walk finds it again;
-- no virtual capacity and no timeline: those need every op (``engine="dispatch"``).
+- no virtual capacity and no timeline: those need every op (``engine="dispatch"``);
+- lines (``lines=True``) are read from the Python stack of the thread that
+  asked, at each allocation (the allocations of any other thread go to the line
+  that thread last charged), so a compiled model's buffers are charged to the
+  line that called it.
 
 >>> import torch
 >>> tracker = native_tracker()                        # doctest: +SKIP
@@ -45,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import itertools
+import os
 import weakref
 from typing import Any
 
@@ -109,6 +114,7 @@ class NativeTracker(Activation):
         self._adopted_told = 0  # adopted bytes already passed to the open scopes
         self._figures = (ctypes.c_int64 * _FIGURES)()
         self._row = (ctypes.c_int64 * 4)()  # one block's (size, category, module, born)
+        self._lines: NativeLines | None = None  # while a scope wants lines
         self.scopes = PeakScopes(self)
 
     # -- installing --------------------------------------------------------
@@ -134,6 +140,10 @@ class NativeTracker(Activation):
         registered then, and must still be counted out. :meth:`unregister` removes it.
         """
         self._lib.nbmem_uninstall()
+        lines, self._lines = self._lines, None  # no scope is left to want them
+        if lines is not None:
+            lines.stop()
+        self._lib.nbmem_lines_forget()  # also what a start Ctrl-C cut short left on
         if self._attribution is not None:
             self._attribution.remove()
         remove_global_hooks(self)
@@ -188,7 +198,26 @@ class NativeTracker(Activation):
     def peak_detail(self) -> PeakDetail:
         figures = self._read()
         categories, modules = self._breakdown(at_peak=True)
-        return PeakDetail(figures[5], None, self._module_names.get(figures[6]), categories, modules)
+        lines = self._lines.table(1) if self._lines is not None else None
+        return PeakDetail(figures[5], None, self._module_names.get(figures[6]), categories, modules, lines)
+
+    # -- lines -----------------------------------------------------------------
+
+    def start_lines(self, owner: object) -> "NativeLines":
+        """Charge every allocation from now on to the user's line (:func:`nbmem.tracking.lines.start_lines`)."""
+        if self._lines is None:
+            self._lines = NativeLines(self._lib)
+        self._lines.owners.add(id(owner))
+        return self._lines
+
+    def stop_lines(self, owner: object) -> None:
+        """``owner``'s scope no longer wants lines; the last one out stops them (safe to repeat)."""
+        counter = self._lines
+        if counter is not None:
+            counter.owners.discard(id(owner))
+            if not counter.owners:
+                self._lines = None
+                counter.stop()
 
     # -- what is live now ---------------------------------------------------
 
@@ -367,6 +396,57 @@ class NativeTracker(Activation):
     def _module_changed(self, name: str | None) -> None:
         # inside a backward (a checkpointed forward ran again) the allocator asks autograd itself
         self._lib.nbmem_set_module(_NO_MODULE if name == BACKWARD else self._module_id(name))
+
+
+class NativeLines:
+    """Bytes per line of the user's code, counted in C++ (allocations.cpp, lines); a :class:`LineCounter`'s face.
+
+    One per run of lines: started when made, stopped (its figures kept, the
+    code objects C++ held let go) when the last scope that wanted it ends.
+    """
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self.owners: set[int] = set()
+        self._where: dict[int, Any] = {0: None}  # slot -> (file name, line number); 0: alive before
+        self._kept: dict[Any, int] | None = None  # allocated per line, once stopped
+        from .lines import NOT_THE_USERS_CHARS
+
+        lib.nbmem_lines_start(NOT_THE_USERS_CHARS)
+
+    def table(self, which: int) -> dict[Any, int]:
+        """Bytes per line: 0 live now, 1 at the peak, 2 allocated since the lines began (nonzero ones only)."""
+        room = len(self._where) + 16
+        values = (ctypes.c_int64 * room)()
+        slots = self._lib.nbmem_lines(values, room, which)
+        if slots > room:
+            values = (ctypes.c_int64 * slots)()
+            slots = self._lib.nbmem_lines(values, slots, which)
+        table: dict[Any, int] = {}
+        for slot in range(slots):
+            if values[slot]:
+                line = self._line(slot)
+                table[line] = table.get(line, 0) + values[slot]
+        return table
+
+    def _line(self, slot: int) -> Any:
+        line = self._where.get(slot, self)
+        if line is self:
+            number = ctypes.c_int32()
+            name = self._lib.nbmem_line_where(slot - 1, ctypes.byref(number))
+            line = self._where[slot] = None if name is None else (os.fsdecode(name), number.value)
+        return line
+
+    @property
+    def allocated(self) -> dict[Any, int]:
+        return self._kept if self._kept is not None else self.table(2)
+
+    def stop(self) -> None:
+        """Keep what was allocated per line and let C++ go; safe to repeat."""
+        if self._kept is None:
+            self._lib.nbmem_lines_stop()
+            self._kept = self.table(2)
+            self._lib.nbmem_lines_forget()
 
 
 @functools.cache

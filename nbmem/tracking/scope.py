@@ -147,12 +147,10 @@ class MemoryScope:
         #: the engine chose itself ("auto") because the block will run compiled code
         self.chose_native = False
         if engine == "auto":
-            self.chose_native = _native_for_compiled(
-                self.mode, self.device, tracker, capacity, timeline or lines, expect_compiled
-            )
+            self.chose_native = _native_for_compiled(self.mode, self.device, tracker, capacity, timeline, expect_compiled)
             engine = "native" if self.chose_native else "dispatch"
         if engine == "native" and tracker is None:
-            tracker = native_engine(self.mode, self.device, capacity, timeline, lines)
+            tracker = native_engine(self.mode, self.device, capacity, timeline)
         self.engine = "native" if tracker is not None and not isinstance(tracker, Tracker) else "dispatch"
         self.label = label
         self.execution_count = execution_count
@@ -442,8 +440,8 @@ class MemoryScope:
                 "without --breakdown, --capacity and --timeline, measured mode (the allocator's own counters) sees "
                 "compiled code as it runs"
                 if self.mode == "measured"
-                else "--capacity, --timeline and --lines need every op, which only the dispatch engine sees"
-                if self.capacity is not None or self._timeline or self._want_lines
+                else "--capacity and --timeline need every op, which only the dispatch engine sees"
+                if self.capacity is not None or self._timeline
                 else "the native engine measures compiled code compiled (CPU, engine='native' or %%gpumem --engine native)"
                 if self.device.type == "cpu"
                 else f"on {self.device}, measured mode (the allocator's own counters) sees compiled code as it runs"
@@ -471,7 +469,7 @@ class MemoryScope:
 
 def _native_for_compiled(mode: str, device: torch.device, tracker: Any, capacity: Any, every_op: bool, expect: bool) -> bool:
     """Whether an "auto" scope takes the native engine: the block will run compiled code, and it can serve the rest
-    (``every_op``: a timeline or lines were asked for, which only the dispatch engine gives)."""
+    (``every_op``: a timeline was asked for, which only the dispatch engine gives)."""
     if tracker is not None or mode != "tracked" or device.type != "cpu" or capacity is not None or every_op:
         return False
     if not (expect or compiled.seen()):
@@ -481,12 +479,12 @@ def _native_for_compiled(mode: str, device: torch.device, tracker: Any, capacity
     return available()
 
 
-def native_engine(mode: str, device: torch.device, capacity: Any, timeline: bool, lines: bool = False) -> Any:
+def native_engine(mode: str, device: torch.device, capacity: Any, timeline: bool) -> Any:
     """The native engine's tracker, or a ValueError saying which request it can't serve."""
     if mode != "tracked" or device.type != "cpu":
         raise ValueError(f"engine 'native' tracks the cpu, not {device} ({mode}): drop engine or use backend='tracked', device='cpu'")
-    if capacity is not None or timeline or lines:
-        wants = "a virtual capacity" if capacity is not None else "a timeline" if timeline else "lines"
+    if capacity is not None or timeline:
+        wants = "a virtual capacity" if capacity is not None else "a timeline"
         raise ValueError(f"{wants} needs every op, which only engine 'dispatch' sees: drop engine='native'")
     from .native_tracking import native_tracker
 

@@ -27,8 +27,20 @@
 // reads the figures. The accounting mirrors nbmem/tracking/tracker.py's Tracker
 // (classify, _grow, _release, _settle_peak).
 //
+// Lines (issue 23: %%gpumem --lines): while asked for, each allocation on the thread that asked is
+// charged to the innermost frame of the user's code on that thread's Python stack (a cell, a
+// script: not PyTorch, nbmem, the standard library or site-packages; Python says which file
+// names are not the user's). The stack is read under the GIL, taken first if the thread let it go
+// (autograd's backward on the CPU runs on the calling thread with the GIL released: its
+// allocations go to the `loss.backward()` line), and before the accounts' mutex, never under it,
+// as PyTorch's own allocator gathers Python stacks for its memory history. No Python code runs
+// there (a Ctrl-C is never raised into an allocation). An allocation on another Python thread
+// goes to the line the asking thread is at; on a thread Python never saw (an OpenMP worker's),
+// to the line last charged.
+//
 // Loaded with ctypes.PyDLL (the GIL is held in every call from Python); plain
-// C entry points.
+// C entry points. The few Python C API functions used are declared here, not
+// from Python.h, so that building needs no Python development headers.
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -39,9 +51,38 @@
 #include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstring>
+#include <map>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
+
+extern "C" {
+// The Python C API this file uses (stable since Python 3.9; PyFrame_GetLasti since 3.11, weak:
+// without it each line is read from the frame every time).
+typedef struct _object PyObject;
+typedef struct _frame PyFrameObject;
+typedef struct _ts PyThreadState;
+typedef enum { PyGILState_LOCKED, PyGILState_UNLOCKED } PyGILState_STATE;
+int Py_IsInitialized(void);
+PyThreadState* PyGILState_GetThisThreadState(void);
+PyGILState_STATE PyGILState_Ensure(void);
+void PyGILState_Release(PyGILState_STATE);
+PyFrameObject* PyThreadState_GetFrame(PyThreadState*);
+PyFrameObject* PyFrame_GetBack(PyFrameObject*);
+PyObject* PyFrame_GetCode(PyFrameObject*);
+int PyFrame_GetLineNumber(PyFrameObject*);
+int PyFrame_GetLasti(PyFrameObject*) __attribute__((weak));
+PyObject* PyObject_GetAttrString(PyObject*, const char*);
+const char* PyUnicode_AsUTF8(PyObject*);
+void PyErr_Fetch(PyObject**, PyObject**, PyObject**);
+void PyErr_Restore(PyObject*, PyObject*, PyObject*);
+void Py_IncRef(PyObject*);
+void Py_DecRef(PyObject*);
+}
 
 namespace torch::autograd {
 // torch/csrc/autograd/graph_task.h (declared here: that header pulls in the whole engine);
@@ -56,11 +97,13 @@ constexpr int kOther = kCategories - 1;
 constexpr int kNoModule = -1;  // made outside any module
 constexpr int kBackward = -2;  // made during autograd's backward
 constexpr int kKeep = INT_MIN;  // classify: leave the module as it is
+constexpr int32_t kBefore = -1;  // line of a block alive before lines were asked for (or made while they were not)
 
 struct Block {
   int64_t size;
   int32_t category;
   int32_t module;
+  int32_t line;
   int64_t born;  // event number; -1 for blocks alive before tracking saw them (adopted)
   int64_t serial;  // which block at this address: a weak reference releases only its own
   int64_t watchers;  // adopted: storages whose weak references hold it (lazy clones share one)
@@ -94,6 +137,10 @@ struct Accounts {
   int64_t peak_categories[kCategories] = {};
   std::vector<int64_t> peak_modules = std::vector<int64_t>(2, 0);
   int32_t module = kNoModule;  // the top-level module running now (set from Python's forward hooks)
+  // bytes by line id + 1 (slot 0: alive before), live now, at the peak, and allocated since lines began
+  std::vector<int64_t> lines = std::vector<int64_t>(1, 0);
+  std::vector<int64_t> peak_lines = std::vector<int64_t>(1, 0);
+  std::vector<int64_t> lines_allocated = std::vector<int64_t>(1, 0);
 
   int64_t rounded(int64_t nbytes) const { return (nbytes + block - 1) / block * block; }
 
@@ -103,10 +150,17 @@ struct Accounts {
     return table[index];
   }
 
+  int64_t& line_bytes(std::vector<int64_t>& table, int32_t id) {
+    size_t index = static_cast<size_t>(id + 1);
+    if (index >= table.size()) table.resize(index + 1, 0);
+    return table[index];
+  }
+
   void settle() {
     if (settled) return;
     std::copy(categories, categories + kCategories, peak_categories);
     peak_modules = modules;
+    peak_lines = lines;
     settled = true;
   }
 
@@ -120,10 +174,12 @@ struct Accounts {
     }
   }
 
-  int64_t add(int64_t ptr, int64_t size, int32_t in_module, int64_t born) {
-    live[ptr] = Block{size, kOther, in_module, born, ++serials, 1};
+  int64_t add(int64_t ptr, int64_t size, int32_t in_module, int64_t born, int32_t line = kBefore) {
+    live[ptr] = Block{size, kOther, in_module, line, born, ++serials, 1};
     categories[kOther] += size;
     module_bytes(modules, in_module) += size;
+    line_bytes(lines, line) += size;
+    if (line != kBefore) line_bytes(lines_allocated, line) += size;
     return serials;
   }
 
@@ -133,17 +189,18 @@ struct Accounts {
     allocated -= found.size;
     categories[found.category] -= found.size;
     module_bytes(modules, found.module) -= found.size;
+    line_bytes(lines, found.line) -= found.size;
     live.erase(it);
   }
 
   // a new block, counted now; returns its serial
-  int64_t allocation_seen(int64_t ptr, int64_t nbytes, int32_t in_module) {
+  int64_t allocation_seen(int64_t ptr, int64_t nbytes, int32_t in_module, int32_t line) {
     ++events;
     auto stale = live.find(ptr);
     // an adopted block here died unseen (resized in place before it was watched again): gone
     if (stale != live.end()) remove(stale);
     int64_t size = rounded(nbytes);
-    int64_t serial = add(ptr, size, in_module, events);
+    int64_t serial = add(ptr, size, in_module, events, line);
     grow(size, in_module);
     return serial;
   }
@@ -165,6 +222,108 @@ Accounts& accounts = *new Accounts;
 void before_fork() { accounts.mutex.lock(); }
 void after_fork() { accounts.mutex.unlock(); }
 const int fork_handlers = pthread_atfork(before_fork, after_fork, after_fork);
+
+// -- lines -------------------------------------------------------------------
+
+// What the lines need besides the accounts. `on`, `asking` and `last` are read by any thread; the rest
+// only with the GIL held (every call from Python holds it, and line_now takes it), which guards it.
+struct Lines {
+  std::atomic<bool> on{false};
+  std::atomic<PyThreadState*> asking{nullptr};  // the thread that asked for lines
+  std::atomic<int32_t> last{kBefore};  // the line last charged on it
+  std::vector<std::string> prefixes, infixes;  // a file name starting with or containing one is not the user's
+  struct Code {
+    bool users;
+    std::string file;
+  };
+  std::unordered_map<PyObject*, Code> codes;  // code objects met, each with a reference held until forget()
+  std::map<std::pair<PyObject*, int>, int32_t> at;  // (code, instruction offset) -> line id
+  std::map<std::pair<std::string, int>, int32_t> ids;  // (file, line number) -> line id
+  std::vector<std::pair<std::string, int>> where;  // line id -> (file, line number)
+
+  const Code& code_of(PyObject* code) {
+    auto found = codes.find(code);
+    if (found != codes.end()) return found->second;
+    PyObject *type, *value, *traceback;  // an exception pending on this thread is left as it was
+    PyErr_Fetch(&type, &value, &traceback);
+    std::string file;
+    if (PyObject* name = PyObject_GetAttrString(code, "co_filename")) {
+      if (const char* text = PyUnicode_AsUTF8(name)) file = text;
+      Py_DecRef(name);
+    }
+    PyErr_Restore(type, value, traceback);
+    bool users = !file.empty();
+    for (const std::string& prefix : prefixes) users = users && file.compare(0, prefix.size(), prefix) != 0;
+    for (const std::string& infix : infixes) users = users && file.find(infix) == std::string::npos;
+    Py_IncRef(code);
+    return codes.emplace(code, Code{users, file}).first->second;
+  }
+
+  int32_t id_of(const std::string& file, int number) {
+    auto found = ids.find({file, number});
+    if (found != ids.end()) return found->second;
+    int32_t id = static_cast<int32_t>(where.size());
+    where.emplace_back(file, number);
+    ids.emplace(std::make_pair(file, number), id);
+    return id;
+  }
+
+  // The innermost frame of the user's code on `thread`'s stack, as a line id; kBefore if none. GIL held.
+  int32_t walk(PyThreadState* thread) {
+    PyFrameObject* frame = PyThreadState_GetFrame(thread);
+    while (frame != nullptr) {
+      PyObject* code = PyFrame_GetCode(frame);
+      const Code& known = code_of(code);
+      if (known.users) {
+        int32_t id;
+        if (PyFrame_GetLasti != nullptr) {
+          auto key = std::make_pair(code, PyFrame_GetLasti(frame));
+          auto found = at.find(key);
+          id = found != at.end() ? found->second : (at[key] = id_of(known.file, PyFrame_GetLineNumber(frame)));
+        } else {
+          id = id_of(known.file, PyFrame_GetLineNumber(frame));
+        }
+        Py_DecRef(code);
+        Py_DecRef(reinterpret_cast<PyObject*>(frame));
+        return id;
+      }
+      Py_DecRef(code);
+      PyFrameObject* back = PyFrame_GetBack(frame);
+      Py_DecRef(reinterpret_cast<PyObject*>(frame));
+      frame = back;
+    }
+    return kBefore;
+  }
+
+  // The line an allocation made now is charged to (never called under the accounts' mutex). On
+  // another Python thread: the line the asking thread is at meanwhile (as sys._current_frames reads
+  // it); on a thread Python never saw, which can't take the GIL without a thread state of its own:
+  // the line last charged.
+  int32_t line_now() {
+    if (!on.load(std::memory_order_relaxed)) return kBefore;
+    PyThreadState* mine = Py_IsInitialized() ? PyGILState_GetThisThreadState() : nullptr;
+    if (mine == nullptr) return last.load();
+    PyGILState_STATE state = PyGILState_Ensure();
+    PyThreadState* thread = asking.load();
+    int32_t found = on.load() && thread != nullptr ? walk(thread) : kBefore;
+    PyGILState_Release(state);
+    if (found == kBefore) return last.load();  // no frame of the user's (nbmem's own code): the line before
+    last.store(found);
+    return found;
+  }
+
+  // Drops every reference held and every id. GIL held, lines off.
+  void forget() {
+    for (auto& [code, known] : codes) Py_DecRef(code);
+    codes.clear();
+    at.clear();
+    ids.clear();
+    where.clear();
+    last.store(kBefore);
+  }
+};
+
+Lines& lines = *new Lines;  // never destroyed, as the accounts
 
 // -- the wrapping allocator ------------------------------------------------
 
@@ -193,10 +352,11 @@ struct CountingAllocator final : c10::Allocator {
     c10::Device device = made.device();
     made.release_context();
     int32_t in_module = torch::autograd::get_current_graph_task_id() != -1 ? kBackward : kNoModule;
+    int32_t line = lines.line_now();  // before the mutex: it may wait for the GIL
     {
       std::lock_guard<std::mutex> guard(accounts.mutex);
       if (in_module != kBackward) in_module = accounts.module;
-      accounts.allocation_seen(reinterpret_cast<int64_t>(data), static_cast<int64_t>(nbytes), in_module);
+      accounts.allocation_seen(reinterpret_cast<int64_t>(data), static_cast<int64_t>(nbytes), in_module, line);
     }
     return {data, data, &counted_delete, device};
   }
@@ -282,6 +442,9 @@ void nbmem_reset(int64_t block) {
   accounts.events = accounts.allocated = accounts.peak = accounts.adopted = 0;
   std::fill(accounts.categories, accounts.categories + kCategories, 0);
   accounts.modules.assign(2, 0);
+  accounts.lines.assign(1, 0);
+  accounts.peak_lines.assign(1, 0);
+  accounts.lines_allocated.assign(1, 0);
   accounts.settled = false;
   accounts.peak_event = 0;
   accounts.peak_module = kNoModule;
@@ -294,6 +457,7 @@ void nbmem_reset(int64_t block) {
 // again. Returns 1 if the token watches the block now, 0 if its free is counted anyway (allocated
 // while counting): then the reference has nothing to release.
 int nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now, int64_t token) {
+  int32_t line = made_now ? lines.line_now() : kBefore;
   std::lock_guard<std::mutex> guard(accounts.mutex);
   if (accounts.watches.count(token)) return 1;  // adopted for this token before the interrupt
   auto known = accounts.live.find(ptr);
@@ -303,7 +467,7 @@ int nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now, int64_t token) {
     ++known->second.watchers;  // adopted already, for another storage (a lazy clone): one more to die
     serial = known->second.serial;
   } else if (made_now) {
-    serial = accounts.allocation_seen(ptr, nbytes, kNoModule);
+    serial = accounts.allocation_seen(ptr, nbytes, kNoModule, line);
   } else {
     int64_t size = accounts.rounded(nbytes);
     serial = accounts.add(ptr, size, kNoModule, -1);
@@ -313,6 +477,7 @@ int nbmem_adopt(int64_t ptr, int64_t nbytes, int made_now, int64_t token) {
     if (accounts.settled) {
       accounts.peak_categories[kOther] += size;
       accounts.module_bytes(accounts.peak_modules, kNoModule) += size;
+      accounts.line_bytes(accounts.peak_lines, kBefore) += size;
     }
   }
   accounts.watches[token] = Watch{ptr, serial};
@@ -433,6 +598,62 @@ int64_t nbmem_blocks(int64_t* out, int64_t room) {
     ++index;
   }
   return index;
+}
+
+// Lines from now on, asked for by the calling thread: every live block is counted as alive before,
+// here and at the peak. `not_users`: the prefixes of file names that are not the user's, one per
+// line, then an empty line, then the parts that make a file name not the user's wherever they are.
+void nbmem_lines_start(const char* not_users) {
+  lines.on.store(false);
+  lines.forget();
+  lines.prefixes.clear();
+  lines.infixes.clear();
+  std::istringstream rules(not_users);
+  std::vector<std::string>* into = &lines.prefixes;
+  for (std::string rule; std::getline(rules, rule);) {
+    if (rule.empty()) into = &lines.infixes;
+    else into->push_back(rule);
+  }
+  {
+    std::lock_guard<std::mutex> guard(accounts.mutex);
+    accounts.settle();
+    for (auto& [ptr, found] : accounts.live) found.line = kBefore;
+    accounts.lines.assign(1, accounts.allocated);
+    accounts.lines_allocated.assign(1, 0);
+    int64_t at_peak = 0;  // everything alive at the peak so far was there before
+    for (int64_t size : accounts.peak_categories) at_peak += size;
+    accounts.peak_lines.assign(1, at_peak);
+  }
+  lines.asking.store(PyGILState_GetThisThreadState());
+  lines.on.store(true);
+}
+
+// No more lines (the tables stay readable until the next start).
+void nbmem_lines_stop() { lines.on.store(false); }
+
+// Drops the code objects the lines hold (once their figures are read).
+void nbmem_lines_forget() {
+  lines.on.store(false);
+  lines.forget();
+}
+
+// Bytes by line id + 1 (slot 0: alive before): which 0 live now, 1 at the peak, 2 allocated since
+// lines began. Returns how many slots there are (call again with more room if that is more).
+int64_t nbmem_lines(int64_t* out, int64_t room, int which) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  if (which == 1) accounts.settle();
+  const std::vector<int64_t>& table =
+      which == 0 ? accounts.lines : which == 1 ? accounts.peak_lines : accounts.lines_allocated;
+  int64_t slots = static_cast<int64_t>(table.size());
+  for (int64_t index = 0; index < slots && index < room; ++index) out[index] = table[index];
+  return slots;
+}
+
+// A line id's file name (UTF-8; valid until the next start or forget) and line number; null if unknown.
+const char* nbmem_line_where(int32_t id, int32_t* number) {
+  if (id < 0 || static_cast<size_t>(id) >= lines.where.size()) return nullptr;
+  *number = lines.where[id].second;
+  return lines.where[id].first.c_str();
 }
 
 }  // extern "C"
