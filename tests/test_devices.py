@@ -42,10 +42,27 @@ def test_every_wanted_preset_is_there():
         ("H200", 150109945856),  # total_memory=143156MB: 143156 * 2**20 = 150109945856
         ("A10G", 23684186112),  # total_memory=22587MB: 22587 * 2**20 = 23684186112
         ("L4", 24_000_000_000),  # nominal 24 GB read as 24 * 10**9 bytes
+        ("RX-9070-XT", 17093969838),  # ROCm's OOM "15.92 GiB": round(15.92 * 2**30) = 17093969838
+        ("Mac-16GB", 19466939269),  # MPS's OOM "max allowed: 18.13 GB": round(18.13 * 2**30) = 19466939269
+        ("Mac-64GB", 87617332838),  # "max allowed: 81.60 GB": round(81.60 * 2**30) = 87617332838
     ],
 )
 def test_capacity_matches_the_sourced_figure(name, nbytes):
     assert PRESETS[name].capacity == nbytes
+
+
+def test_mac_presets_are_mps_limits_and_follow_the_working_set_rule():
+    # Metal's recommended working set (2/3 of the memory up to 32 GB, 3/4 above) times the default ratio 1.7,
+    # printed as PyTorch's MPS out-of-memory message prints it
+    for size, share in ((8, 2 / 3), (16, 2 / 3), (32, 2 / 3), (64, 3 / 4), (128, 3 / 4)):
+        found = PRESETS[f"Mac-{size}GB"]
+        assert found.backend == "mps"
+        assert f"{found.capacity / GIB:.2f}" == f"{size * share * 1.7:.2f}"
+    assert str(PRESETS["Mac-16GB"]) == (
+        'Mac-16GB: 18.1 GiB, the limit PyTorch puts on MPS ("max allowed", at the default high watermark ratio 1.7; '
+        "16 GB unified memory)"
+    )
+    assert preset("mac 16gb").name == "Mac-16GB" and preset("RX 9070 XT").backend == "cuda"
 
 
 def test_oom_figures_print_back_as_quoted():
@@ -135,7 +152,8 @@ def test_every_preset_is_sourced_and_sane(entry: DevicePreset):
     # (NVIDIA's "80 GB" HBM parts carry 80 GiB, of which PyTorch sees ~79).
     assert GIB < entry.capacity <= 192 * GIB
     nominal_gb = float(re.match(r"(\d+(?:\.\d+)?) GB", entry.nominal).group(1))
-    assert entry.capacity <= nominal_gb * GIB
+    # (MPS's limit is the working set times 1.7: above the memory, reached by swapping; at most 1.7 x 3/4 of it)
+    assert entry.capacity <= nominal_gb * GIB * (1.7 * 3 / 4 if entry.backend == "mps" else 1) + GIB // 100
 
 
 def test_preset_names_are_canonical_and_unique():

@@ -199,3 +199,57 @@ def test_unloading_detaches_the_lines_of_a_scope_that_never_stopped():
     assert default_tracker("cpu")._lines is None
     scope.stop()
     assert default_tracker("cpu")._lines is None
+
+
+@pytest.mark.skipif(not available(), reason="no C++ compiler")
+def test_lines_follow_the_newest_scope_when_the_first_ones_thread_has_ended():
+    # (found in review) the native engine kept the first scope's thread: once that thread ended, each allocation
+    # read a thread state Python had freed (SIGSEGV)
+    opened, done = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        scope = nbmem.track("cpu", lines=True, engine="native").start()
+        opened.set()
+        done.wait()
+        scope.stop()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    opened.wait()
+    scope = nbmem.track("cpu", lines=True, engine="native").start()
+    done.set()
+    worker.join()
+    for _ in range(20):  # new threads, which may be given the ended thread's memory
+        churn = threading.Thread(target=lambda: sum(range(1000)))
+        churn.start()
+        churn.join()
+    kept = torch.zeros(1024, 1024)  # 4 MiB
+    result = scope.stop()
+    assert {line.source: line.allocated for line in result.lines if line.allocated} == {"kept = torch.zeros(1024, 1024)  # 4 MiB": 4 * MiB}
+    del kept
+
+
+@pytest.mark.skipif(not available(), reason="no C++ compiler")
+def test_reading_the_stack_never_runs_a_garbage_collection_inside_an_allocation():
+    # (found in review) making frame objects may start a collection, which runs any finalizer inside the
+    # allocation, with PyTorch's locks held: seen here as collections starting inside autograd's backward
+    import gc
+
+    weight = torch.randn(256, 256, requires_grad=True)
+    inside_backward = []
+
+    def started(phase, info) -> None:
+        if phase == "start":
+            inside_backward.append(torch._C._current_graph_task_id() != -1)
+
+    threshold = gc.get_threshold()
+    for _ in range(3):
+        with nbmem.track("cpu", lines=True, engine="native"):
+            gc.set_threshold(1)
+            gc.callbacks.append(started)
+            try:
+                (weight @ weight).sum().backward()
+            finally:
+                gc.callbacks.remove(started)
+                gc.set_threshold(*threshold)
+    assert not any(inside_backward)

@@ -63,10 +63,13 @@ class DevicePreset:
     source: str
     #: "reported" (PyTorch or driver output quoted in the source) or "nominal".
     source_kind: Literal["reported", "nominal"]
-    #: The device type PyTorch runs it as: "cuda" (NVIDIA; ROCm's GPUs too), "xpu" (Intel).
+    #: The device type PyTorch runs it as: "cuda" (NVIDIA; AMD's under ROCm too), "xpu" (Intel), "mps" (Apple).
     backend: str = "cuda"
 
     def __str__(self) -> str:
+        if self.backend == "mps":
+            return (f"{self.name}: {format_bytes(self.capacity)}, the limit PyTorch puts on MPS (\"max allowed\", at "
+                    f"the default high watermark ratio 1.7; {self.nominal})")
         if self.source_kind == "reported":
             return f"{self.name}: {format_bytes(self.capacity)} as PyTorch reports it (nominal {self.nominal})"
         return f"{self.name}: {format_bytes(self.capacity)}, the nominal {self.nominal} (no reported total)"
@@ -256,6 +259,42 @@ _TABLE = (
         source="https://github.com/intel/intel-extension-for-pytorch/issues/846",
         source_kind="reported",
         backend="xpu",
+    ),
+    # AMD Radeon RX 9070 XT 16GB, run by PyTorch (ROCm) as "cuda": "HIP out of memory. ... GPU 0 has a total
+    # capacity of 15.92 GiB" with the GPU named in the report.
+    DevicePreset(
+        name="RX-9070-XT",
+        capacity=_gib(15.92),
+        nominal="16 GB GDDR6",
+        source="https://github.com/Comfy-Org/ComfyUI/issues/13112",
+        source_kind="reported",
+    ),
+    # Apple silicon Macs, run as "mps". Their memory is the machine's; what PyTorch lets MPS take is its
+    # allocator's limit, "max allowed" in its out-of-memory message: Metal's recommended working set times
+    # PYTORCH_MPS_HIGH_WATERMARK_RATIO (1.7 by default; another ratio moves the limit). The working set is 2/3
+    # of the memory up to 32 GB and 3/4 above in every report here: 16 GB * 2/3 * 1.7 = 18.13 GiB, 64 GB * 3/4 *
+    # 1.7 = 81.60 GiB. A limit above the machine's memory is reached only by swapping.
+    *(
+        DevicePreset(
+            name=f"Mac-{size}GB",
+            capacity=_gib(limit),
+            nominal=f"{size} GB unified memory",
+            source=source,
+            source_kind="reported",
+            backend="mps",
+        )
+        for size, limit, source in (
+            # "max allowed: 9.07 GB", its machine unnamed: 8 GiB * 2/3 * 1.7 = 9.07
+            (8, 9.07, "https://github.com/datalab-to/surya/issues/254"),
+            # "Macbook Pro m1 16 gb": "max allowed: 18.13 GB" (also Comfy-Org/ComfyUI#7372, #8984)
+            (16, 18.13, "https://github.com/pinokiocomputer/pinokio/issues/941"),
+            # "max allowed: 36.27 GB", its machine unnamed: 32 GiB * 2/3 * 1.7 = 36.27
+            (32, 36.27, "https://github.com/robbyant-research/MagicQuill/issues/120"),
+            # "M1 Max 64 Gb": "max allowed: 81.60 GB"
+            (64, 81.60, "https://github.com/BoBo0037/bobo-fun/issues/8"),
+            # "M3 MAX 128GB": "max allowed: 163.20 GiB"
+            (128, 163.20, "https://github.com/Comfy-Org/ComfyUI/issues/9308"),
+        )
     ),
 )
 

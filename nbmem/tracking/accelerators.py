@@ -22,6 +22,7 @@ ValueError: measured mode reads an accelerator's allocator, and cpu is not one: 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 import torch
@@ -195,6 +196,9 @@ class DeviceCounter:
         name = None
         if hasattr(self._module, "get_device_name"):
             name = str(self._module.get_device_name(self.index))
+        limit = mps_limit(self._module) if self.device.type == "mps" else None
+        if limit is not None:  # what an allocation may take before MPS raises, not the Mac's memory
+            return name or "mps", limit, max(limit - int(self._module.driver_allocated_memory()), 0)
         try:
             free, total = torch.accelerator.get_memory_info(self.index)
         except (RuntimeError, NotImplementedError, AttributeError):
@@ -238,6 +242,27 @@ class DeviceCounter:
 
 def _none() -> None:
     return None
+
+
+def mps_limit(module: Any) -> int | None:
+    """The bytes MPS may take before it raises out of memory (its message's "max allowed"), None if unlimited.
+
+    Metal's recommended working set times ``PYTORCH_MPS_HIGH_WATERMARK_RATIO``
+    (1.7 unless set; 0 lifts the limit), as PyTorch's MPS allocator sets it when
+    it starts (``torch.mps.set_per_process_memory_fraction`` moves it later,
+    unseen here). Untested on a real Mac.
+
+    >>> class SixteenGigabyteMac:       # Metal recommends 2/3 of 16 GB
+    ...     def recommended_max_memory(self): return 16 * 2**30 * 2 // 3
+    >>> f"{mps_limit(SixteenGigabyteMac()) / 2**30:.2f} GiB"    # "max allowed: 18.13 GB" in its OOM message
+    '18.13 GiB'
+    """
+    try:
+        ratio = float(os.environ.get("PYTORCH_MPS_HIGH_WATERMARK_RATIO", "1.7"))
+        recommended = int(module.recommended_max_memory())
+    except (ValueError, RuntimeError, AttributeError):
+        return None
+    return int(ratio * recommended) if ratio > 0 else None
 
 
 @functools.cache

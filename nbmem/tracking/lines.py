@@ -45,7 +45,7 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 NOT_THE_USERS_STARTING = tuple(sorted(
     {_NBMEM, _TORCH, "<frozen", "<eval_with_key>"}
     | {path + os.sep for key in ("stdlib", "platstdlib", "purelib", "platlib") if (path := sysconfig.get_paths().get(key))}
-    | ({os.environ["TORCHINDUCTOR_CACHE_DIR"]} if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else set())
+    | ({os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "")} if os.environ.get("TORCHINDUCTOR_CACHE_DIR") else set())
 ))
 #: nor is one containing one of these (anything installed; inductor's generated code in its default cache)
 NOT_THE_USERS_CONTAINING = ("site-packages", "dist-packages", os.sep + "torchinductor_")

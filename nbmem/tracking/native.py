@@ -131,6 +131,7 @@ def library() -> ctypes.PyDLL:
         "nbmem_blocks": ((pointer, i64), i64),
         "nbmem_lines_start": ((ctypes.c_char_p,), None),
         "nbmem_lines_stop": ((), None),
+        "nbmem_lines_here": ((), None),
         "nbmem_lines_forget": ((), None),
         "nbmem_lines": ((pointer, i64, ctypes.c_int), i64),
         "nbmem_line_where": ((i32, ctypes.POINTER(i32)), ctypes.c_char_p),

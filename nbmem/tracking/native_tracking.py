@@ -32,9 +32,9 @@ What it counts differs from the default engine, and results say so:
   old size until a whole walk finds it again;
 - no virtual capacity and no timeline: those need every op (``engine="dispatch"``);
 - lines (``lines=True``) are read from the Python stack of the thread that
-  asked, at each allocation (the allocations of any other thread go to the line
-  that thread last charged), so a compiled model's buffers are charged to the
-  line that called it.
+  asked, at each allocation on any Python thread (the line that thread is at;
+  an OpenMP worker's go to the line charged last), so compiled code runs
+  compiled while its buffers are charged to the user's line that called it.
 
 >>> import torch
 >>> tracker = native_tracker()                        # doctest: +SKIP
@@ -205,10 +205,14 @@ class NativeTracker(Activation):
 
     def start_lines(self, owner: object) -> "NativeLines":
         """Charge every allocation from now on to the user's line (:func:`nbmem.tracking.lines.start_lines`)."""
-        if self._lines is None:
-            self._lines = NativeLines(self._lib)
-        self._lines.owners.add(id(owner))
-        return self._lines
+        lines = self._lines
+        if lines is None:
+            lines = self._lines = NativeLines(self._lib)  # kept before it starts: stop_lines then finds it
+            lines.start()
+        else:
+            self._lib.nbmem_lines_here()  # a scope on another thread: its stack from now on
+        lines.owners.add(id(owner))
+        return lines
 
     def stop_lines(self, owner: object) -> None:
         """``owner``'s scope no longer wants lines; the last one out stops them (safe to repeat)."""
@@ -216,8 +220,8 @@ class NativeTracker(Activation):
         if counter is not None:
             counter.owners.discard(id(owner))
             if not counter.owners:
+                counter.stop()  # first: a repeat after Ctrl-C finds the counter and stops it again
                 self._lines = None
-                counter.stop()
 
     # -- what is live now ---------------------------------------------------
 
@@ -401,7 +405,7 @@ class NativeTracker(Activation):
 class NativeLines:
     """Bytes per line of the user's code, counted in C++ (allocations.cpp, lines); a :class:`LineCounter`'s face.
 
-    One per run of lines: started when made, stopped (its figures kept, the
+    One per run of lines: started once kept, stopped (its figures kept, the
     code objects C++ held let go) when the last scope that wanted it ends.
     """
 
@@ -410,9 +414,11 @@ class NativeLines:
         self.owners: set[int] = set()
         self._where: dict[int, Any] = {0: None}  # slot -> (file name, line number); 0: alive before
         self._kept: dict[Any, int] | None = None  # allocated per line, once stopped
+
+    def start(self) -> None:
         from .lines import NOT_THE_USERS_CHARS
 
-        lib.nbmem_lines_start(NOT_THE_USERS_CHARS)
+        self._lib.nbmem_lines_start(NOT_THE_USERS_CHARS)
 
     def table(self, which: int) -> dict[Any, int]:
         """Bytes per line: 0 live now, 1 at the peak, 2 allocated since the lines began (nonzero ones only)."""
@@ -423,7 +429,7 @@ class NativeLines:
             values = (ctypes.c_int64 * slots)()
             slots = self._lib.nbmem_lines(values, slots, which)
         table: dict[Any, int] = {}
-        for slot in range(slots):
+        for slot in range(min(slots, len(values))):  # (another thread may have added a line meanwhile)
             if values[slot]:
                 line = self._line(slot)
                 table[line] = table.get(line, 0) + values[slot]
@@ -443,10 +449,10 @@ class NativeLines:
 
     def stop(self) -> None:
         """Keep what was allocated per line and let C++ go; safe to repeat."""
+        self._lib.nbmem_lines_stop()
         if self._kept is None:
-            self._lib.nbmem_lines_stop()
             self._kept = self.table(2)
-            self._lib.nbmem_lines_forget()
+        self._lib.nbmem_lines_forget()
 
 
 @functools.cache

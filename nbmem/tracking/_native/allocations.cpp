@@ -61,17 +61,24 @@
 #include <vector>
 
 extern "C" {
-// The Python C API this file uses (stable since Python 3.9; PyFrame_GetLasti since 3.11, weak:
+// The Python C API this file uses (all there since Python 3.10; PyFrame_GetLasti since 3.11, weak:
 // without it each line is read from the frame every time).
 typedef struct _object PyObject;
 typedef struct _frame PyFrameObject;
 typedef struct _ts PyThreadState;
+typedef struct _is PyInterpreterState;
 typedef enum { PyGILState_LOCKED, PyGILState_UNLOCKED } PyGILState_STATE;
 int Py_IsInitialized(void);
 PyThreadState* PyGILState_GetThisThreadState(void);
 PyGILState_STATE PyGILState_Ensure(void);
 void PyGILState_Release(PyGILState_STATE);
 PyFrameObject* PyThreadState_GetFrame(PyThreadState*);
+uint64_t PyThreadState_GetID(PyThreadState*);
+PyInterpreterState* PyThreadState_GetInterpreter(PyThreadState*);
+PyThreadState* PyInterpreterState_ThreadHead(PyInterpreterState*);
+PyThreadState* PyThreadState_Next(PyThreadState*);
+int PyGC_Disable(void);
+int PyGC_Enable(void);
 PyFrameObject* PyFrame_GetBack(PyFrameObject*);
 PyObject* PyFrame_GetCode(PyFrameObject*);
 int PyFrame_GetLineNumber(PyFrameObject*);
@@ -221,7 +228,8 @@ Accounts& accounts = *new Accounts;
 // first, and both sides let go (a DataLoader's workers fork while a block is tracked).
 void before_fork() { accounts.mutex.lock(); }
 void after_fork() { accounts.mutex.unlock(); }
-const int fork_handlers = pthread_atfork(before_fork, after_fork, after_fork);
+void in_the_child();  // below: the child also charges no lines (the thread that asked is not there)
+const int fork_handlers = pthread_atfork(before_fork, after_fork, in_the_child);
 
 // -- lines -------------------------------------------------------------------
 
@@ -229,7 +237,7 @@ const int fork_handlers = pthread_atfork(before_fork, after_fork, after_fork);
 // only with the GIL held (every call from Python holds it, and line_now takes it), which guards it.
 struct Lines {
   std::atomic<bool> on{false};
-  std::atomic<PyThreadState*> asking{nullptr};  // the thread that asked for lines
+  std::atomic<uint64_t> asking{0};  // the thread that asked for lines: its thread state's id (0: none)
   std::atomic<int32_t> last{kBefore};  // the line last charged on it
   std::vector<std::string> prefixes, infixes;  // a file name starting with or containing one is not the user's
   struct Code {
@@ -244,14 +252,11 @@ struct Lines {
   const Code& code_of(PyObject* code) {
     auto found = codes.find(code);
     if (found != codes.end()) return found->second;
-    PyObject *type, *value, *traceback;  // an exception pending on this thread is left as it was
-    PyErr_Fetch(&type, &value, &traceback);
-    std::string file;
+    std::string file;  // (walk keeps an exception pending as it was, and the collector off)
     if (PyObject* name = PyObject_GetAttrString(code, "co_filename")) {
       if (const char* text = PyUnicode_AsUTF8(name)) file = text;
       Py_DecRef(name);
     }
-    PyErr_Restore(type, value, traceback);
     bool users = !file.empty();
     for (const std::string& prefix : prefixes) users = users && file.compare(0, prefix.size(), prefix) != 0;
     for (const std::string& infix : infixes) users = users && file.find(infix) == std::string::npos;
@@ -268,8 +273,32 @@ struct Lines {
     return id;
   }
 
+  // The asking thread's state, if it still has one (a thread that ended has none). GIL held.
+  PyThreadState* asking_thread(PyThreadState* mine) {
+    uint64_t wanted = asking.load();
+    if (wanted == 0) return nullptr;
+    if (PyThreadState_GetID(mine) == wanted) return mine;
+    for (PyThreadState* other = PyInterpreterState_ThreadHead(PyThreadState_GetInterpreter(mine)); other != nullptr;
+         other = PyThreadState_Next(other)) {
+      if (PyThreadState_GetID(other) == wanted) return other;
+    }
+    return nullptr;
+  }
+
   // The innermost frame of the user's code on `thread`'s stack, as a line id; kBefore if none. GIL held.
+  // Making frame objects may start a garbage collection, which would run finalizers (any Python code)
+  // inside the allocation: the collector is off meanwhile, and an exception pending is left as it was.
   int32_t walk(PyThreadState* thread) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int collecting = PyGC_Disable();
+    int32_t found = innermost(thread);
+    if (collecting) PyGC_Enable();
+    PyErr_Restore(type, value, traceback);
+    return found;
+  }
+
+  int32_t innermost(PyThreadState* thread) {
     PyFrameObject* frame = PyThreadState_GetFrame(thread);
     while (frame != nullptr) {
       PyObject* code = PyFrame_GetCode(frame);
@@ -304,26 +333,34 @@ struct Lines {
     PyThreadState* mine = Py_IsInitialized() ? PyGILState_GetThisThreadState() : nullptr;
     if (mine == nullptr) return last.load();
     PyGILState_STATE state = PyGILState_Ensure();
-    PyThreadState* thread = asking.load();
-    int32_t found = on.load() && thread != nullptr ? walk(thread) : kBefore;
+    PyThreadState* thread = on.load() ? asking_thread(mine) : nullptr;
+    int32_t found = thread != nullptr ? walk(thread) : kBefore;
     PyGILState_Release(state);
     if (found == kBefore) return last.load();  // no frame of the user's (nbmem's own code): the line before
     last.store(found);
     return found;
   }
 
-  // Drops every reference held and every id. GIL held, lines off.
+  // Drops every reference held and every id. GIL held, lines off. The tables are emptied first: a
+  // code object's end may run Python code, which must find them consistent.
   void forget() {
-    for (auto& [code, known] : codes) Py_DecRef(code);
-    codes.clear();
+    std::unordered_map<PyObject*, Code> held;
+    held.swap(codes);
     at.clear();
     ids.clear();
     where.clear();
     last.store(kBefore);
+    for (auto& [code, known] : held) Py_DecRef(code);
   }
 };
 
 Lines& lines = *new Lines;  // never destroyed, as the accounts
+
+void in_the_child() {
+  lines.on.store(false);
+  lines.asking.store(0);
+  after_fork();
+}
 
 // -- the wrapping allocator ------------------------------------------------
 
@@ -624,9 +661,12 @@ void nbmem_lines_start(const char* not_users) {
     for (int64_t size : accounts.peak_categories) at_peak += size;
     accounts.peak_lines.assign(1, at_peak);
   }
-  lines.asking.store(PyGILState_GetThisThreadState());
+  lines.asking.store(PyThreadState_GetID(PyGILState_GetThisThreadState()));
   lines.on.store(true);
 }
+
+// Lines are now read from the calling thread's stack (the newest scope that asked for them).
+void nbmem_lines_here() { lines.asking.store(PyThreadState_GetID(PyGILState_GetThisThreadState())); }
 
 // No more lines (the tables stay readable until the next start).
 void nbmem_lines_stop() { lines.on.store(false); }
