@@ -371,6 +371,21 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+def test_compile_estimates_never_use_up_the_recompile_limit_of_the_users_model(fresh_dynamo):
+    # (found this session) each estimate compiled the model through code every module shares: after 8 (Dynamo's
+    # recompile limit) the 9th estimate gave eager figures, and the user's own compile of that model ran eagerly
+    from torch._dynamo.utils import counters
+
+    limit = torch._dynamo.config.recompile_limit
+    for size in range(1, limit + 2):
+        planned = nbmem.estimate(mlp, batch, batch_size=8 * size, optimizer="sgd", compile=True)
+        assert not any("EAGER FIGURES" in note for note in planned.notes), size
+    graphs = counters["stats"]["unique_graphs"]
+    fast = torch.compile(mlp())
+    step(fast, torch.randn(8, 256))
+    assert counters["stats"]["unique_graphs"] > graphs  # compiled, not run eagerly
+
+
 def test_a_compile_estimate_builds_no_kernel_and_leaves_inductor_as_it_was(fresh_dynamo):
     from torch._inductor import async_compile, compile_fx
     from torch._inductor.codecache import PyCodeCache

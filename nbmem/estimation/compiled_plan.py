@@ -246,9 +246,34 @@ def compile_for_estimate(model: torch.nn.Module, notes: list[str]) -> torch.nn.M
     if inner is not model:
         notes.append("compile=True: your torch.compile'd model was compiled again with inductor's defaults (its own "
                      "mode, backend and options are not carried over)")
-    # a wrapper, not Module.compile(): compiling _call_impl in place traces the tracker's global hooks too
-    compiled: torch.nn.Module = torch.compile(inner, dynamic=False)  # type: ignore[assignment]  # an OptimizedModule
-    return compiled
+    # A wrapper, not Module.compile(): compiling _call_impl in place traces the tracker's global hooks too. And not
+    # torch.compile(inner) either: Dynamo keeps each compile in the cache of the code object it entered (for a module,
+    # code every module shares), and stops compiling a code object after 8 (its recompile limit): after 8 estimates
+    # the 9th, and the user's own compile of that model class, would run eagerly. The estimate enters through a
+    # function whose code object is its own, made for this estimate, which takes its cache with it when it goes.
+    return _EstimateCompiled(inner, torch.compile(_fresh_entry(inner), dynamic=False))
+
+
+def _enter(*args: Any, **kwargs: Any) -> Any:
+    return _inner(*args, **kwargs)  # type: ignore[name-defined]  # noqa: F821  (a global of each fresh copy)
+
+
+def _fresh_entry(inner: torch.nn.Module) -> Callable[..., Any]:
+    """``inner``'s call through a function whose code object is new (Dynamo's caches and recompile count are per code
+    object), its ``_inner`` held in the function's own globals."""
+    return types.FunctionType(_enter.__code__.replace(), {"_inner": inner, "__builtins__": __builtins__}, "_enter")
+
+
+class _EstimateCompiled(torch.nn.Module):
+    """The estimate's model: ``_orig_mod`` (its parameters and buffers), called through the compiled entry."""
+
+    def __init__(self, inner: torch.nn.Module, entry: Callable[..., Any]) -> None:
+        super().__init__()
+        self._orig_mod = inner
+        self._entry = entry
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._entry(*args, **kwargs)
 
 
 @contextlib.contextmanager
@@ -264,8 +289,9 @@ def dynamo_shapes_left_as_found() -> Iterator[None]:
     """What Dynamo learnt of shapes (``torch._dynamo.pgo``, which marks a dimension dynamic once it changed) put
     back as it was: an estimate's batch sizes must not make the user's later compile dynamic.
 
-    The estimate's compiled graphs stay in Dynamo's caches (they can't be taken out alone); their guards want fake
-    tensors, and if one were ever called again it would raise (:data:`OUTSIDE_ESTIMATE`).
+    The model's compiled graphs live in the cache of the estimate's own entry (:func:`compile_for_estimate`) and go
+    with it; compiled functions of the user's that a ``step=`` calls keep theirs in their own code's cache, whose
+    guards want fake tensors: called again, such a graph raises (:data:`OUTSIDE_ESTIMATE`).
     """
     from torch._dynamo import pgo
 
