@@ -12,9 +12,10 @@ import nbmem
 from nbmem.tracking.lines import _is_users
 from nbmem.tracking.native import available
 from nbmem.tracking.tracker import default_tracker
+from test_compiled import needs_native  # skipped without a C++ compiler, unless CI requires the native engine
 
 MiB = 1024**2
-ENGINES = ["dispatch", pytest.param("native", marks=pytest.mark.skipif(not available(), reason="no C++ compiler"))]
+ENGINES = ["dispatch", pytest.param("native", marks=needs_native)]
 
 
 def lines_left(engine: str):
@@ -97,7 +98,7 @@ def test_lines_take_the_dispatch_engine_unless_compiled_code_or_asked():
         assert nbmem.track("cpu", lines=True, engine="native").engine == "native"
 
 
-@pytest.mark.skipif(not available(), reason="no C++ compiler")
+@needs_native
 def test_the_native_engine_charges_the_same_lines_as_the_dispatch_engine():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
@@ -112,7 +113,7 @@ def test_the_native_engine_charges_the_same_lines_as_the_dispatch_engine():
     assert at_peak(native) == at_peak(dispatch)
 
 
-@pytest.mark.skipif(not available(), reason="no C++ compiler")
+@needs_native
 def test_another_threads_allocations_go_to_the_line_the_asking_thread_is_at():
     # the native engine sees every thread's allocations as they happen (a dispatch mode is the thread's own: the
     # dispatch engine finds the worker's tensor at the block's end, and charges it to the line that ends the block)
@@ -131,7 +132,7 @@ def test_generated_code_is_never_the_users():
         assert not _is_users(compile("x = 1", generated, "exec")), generated
 
 
-@pytest.mark.skipif(not available(), reason="no C++ compiler")
+@needs_native
 def test_a_compiled_models_lines_are_measured_compiled_and_charged_to_the_line_that_calls_it():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
@@ -201,7 +202,7 @@ def test_unloading_detaches_the_lines_of_a_scope_that_never_stopped():
     assert default_tracker("cpu")._lines is None
 
 
-@pytest.mark.skipif(not available(), reason="no C++ compiler")
+@needs_native
 def test_lines_follow_the_newest_scope_when_the_first_ones_thread_has_ended():
     # (found in review) the native engine kept the first scope's thread: once that thread ended, each allocation
     # read a thread state Python had freed (SIGSEGV)
@@ -229,7 +230,7 @@ def test_lines_follow_the_newest_scope_when_the_first_ones_thread_has_ended():
     del kept
 
 
-@pytest.mark.skipif(not available(), reason="no C++ compiler")
+@needs_native
 def test_reading_the_stack_never_runs_a_garbage_collection_inside_an_allocation():
     # (found in review) making frame objects may start a collection, which runs any finalizer inside the
     # allocation, with PyTorch's locks held: seen as collections starting inside autograd's C++ backward, where

@@ -151,17 +151,15 @@ struct Accounts {
 
   int64_t rounded(int64_t nbytes) const { return (nbytes + block - 1) / block * block; }
 
-  int64_t& module_bytes(std::vector<int64_t>& table, int32_t id) {
-    size_t index = static_cast<size_t>(id + 2);
+  // a table's slot, the table grown to hold it
+  static int64_t& slot(std::vector<int64_t>& table, size_t index) {
     if (index >= table.size()) table.resize(index + 1, 0);
     return table[index];
   }
 
-  int64_t& line_bytes(std::vector<int64_t>& table, int32_t id) {
-    size_t index = static_cast<size_t>(id + 1);
-    if (index >= table.size()) table.resize(index + 1, 0);
-    return table[index];
-  }
+  int64_t& module_bytes(std::vector<int64_t>& table, int32_t id) { return slot(table, static_cast<size_t>(id + 2)); }
+
+  int64_t& line_bytes(std::vector<int64_t>& table, int32_t id) { return slot(table, static_cast<size_t>(id + 1)); }
 
   void settle() {
     if (settled) return;
@@ -637,6 +635,9 @@ int64_t nbmem_blocks(int64_t* out, int64_t room) {
   return index;
 }
 
+// Lines are now read from the calling thread's stack (the newest scope that asked for them).
+void nbmem_lines_here() { lines.asking.store(PyThreadState_GetID(PyGILState_GetThisThreadState())); }
+
 // Lines from now on, asked for by the calling thread: every live block is counted as alive before,
 // here and at the peak. `not_users`: the prefixes of file names that are not the user's, one per
 // line, then an empty line, then the parts that make a file name not the user's wherever they are.
@@ -661,12 +662,9 @@ void nbmem_lines_start(const char* not_users) {
     for (int64_t size : accounts.peak_categories) at_peak += size;
     accounts.peak_lines.assign(1, at_peak);
   }
-  lines.asking.store(PyThreadState_GetID(PyGILState_GetThisThreadState()));
+  nbmem_lines_here();
   lines.on.store(true);
 }
-
-// Lines are now read from the calling thread's stack (the newest scope that asked for them).
-void nbmem_lines_here() { lines.asking.store(PyThreadState_GetID(PyGILState_GetThisThreadState())); }
 
 // No more lines (the tables stay readable until the next start).
 void nbmem_lines_stop() { lines.on.store(false); }
