@@ -348,3 +348,28 @@ def test_reserved_with_the_cublas_workspaces_each_thread_adds(monkeypatch):
     trained = estimate(mlp, pairs, batch_size=256, device="H100-80GB")
     assert trained.workspaces.count == 2 and trained.reserved_with_workspaces == trained.reserved + 2 * 32 * MiB
     assert "  with workspaces  234 MiB reserved, with 2 cuBLAS workspaces of 32.0 MiB" in str(trained)
+    assert "  not included: cuBLAS workspace about 64.0 MiB (2 of 32.0 MiB; in 'with workspaces' above)" in str(trained)
+
+
+def test_recurrent_and_convolution_layers_say_what_cudnn_holds_beyond_the_estimate():
+    from nbmem.estimation.workspaces import CONV_NOTE, RNN_NOTE
+
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(4, 8, 3)
+            self.gru = nn.GRU(8, 16, batch_first=True)
+
+        def forward(self, x):
+            return self.gru(self.conv(x).transpose(1, 2))[0].sum()
+
+    make = lambda n: torch.randn(n, 4, 12)  # noqa: E731
+    loss = lambda output, batch: output  # noqa: E731
+    on_t4 = estimate(Both, make, batch_size=2, loss=loss, device="T4")
+    assert RNN_NOTE in on_t4.notes and CONV_NOTE in on_t4.notes and f"note: {RNN_NOTE}" in str(on_t4)
+    assert RNN_NOTE in estimate(Both, make, batch_size=2, loss=loss).notes  # no device named: a CUDA GPU's
+    # Intel's and Apple's GPUs run neither cuDNN nor its kernels' workspaces
+    for other in ("Arc-A770-16GB", "Mac-16GB"):
+        assert not {RNN_NOTE, CONV_NOTE} & set(estimate(Both, make, batch_size=2, loss=loss, device=other).notes)
+    linear = estimate(lambda: nn.Linear(4, 4), lambda n: torch.randn(n, 4), batch_size=2, device="T4")
+    assert not {RNN_NOTE, CONV_NOTE} & set(linear.notes)

@@ -39,7 +39,7 @@ from .building import (
 )
 from .low_bit import TORCHAO_OPTIM, prepare_low_bit
 from .optimizers import in_backward, library_optimizer, optimizer_factory, target_optimizer_kwargs
-from .workspaces import WithWorkspaces, workspaces_for
+from .workspaces import WithWorkspaces, cudnn_notes, workspaces_for
 from .parallel import fsdp_family, fsdp_units, host_figures, host_note, offload_to_host, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
 from .compiled_plan import (PLAN_NOTE, UNPLANNED_NOTE, compile_for_estimate, dynamo_shapes_left_as_found,
@@ -47,7 +47,7 @@ from .compiled_plan import (PLAN_NOTE, UNPLANNED_NOTE, compile_for_estimate, dyn
 from .quantized_kernels import QuantizedKernels
 from .quantized_layers import follow_cuda
 from .result import Estimate
-from .plan import KNOBS, MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
+from .plan import MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
 from ..core.results import allocator_of
@@ -436,9 +436,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes.append(tracker_alongside_note("step's run without the breakdown's tracker"))
     else:
         notes += plan.allocator.simulation_notes()
-        notes.append("kernel workspaces are not included (cuDNN's are untested; inductor's plan follows oneDNN's CPU "
-                     "kernels)" if planned else "kernel workspaces are not included (CPU oneDNN kernels are turned off "
-                     "for the step; cuDNN's are untested)")
+        notes.append("kernel workspaces other than cuBLAS's are not included (inductor's plan follows oneDNN's CPU kernels)"
+                     if planned else "kernel workspaces other than cuBLAS's are not included (CPU oneDNN kernels are "
+                     "turned off for the step)")
+        notes += cudnn_notes(network, label)
     if planning is not None:
         if planning.calls == 0:
             notes.insert(0, UNPLANNED_NOTE)

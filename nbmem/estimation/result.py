@@ -174,7 +174,10 @@ class Estimate:
             )
         if self.reserved_with_workspaces is not None and self.workspaces is not None:
             lines.append(f"  with workspaces  {format_bytes(self.reserved_with_workspaces)} reserved, with "
-                         f"{self.workspaces.describe()}")
+                         f"{self.workspaces.describe()}" + (
+                             "; less than without them: the free rest of a workspace's segment holds tensors that "
+                             "otherwise took a segment of their own" if self.reserved is not None
+                             and self.reserved_with_workspaces < self.reserved else ""))
         if self.managed is not None:
             lines.append(f"  managed memory   {format_bytes(self.managed)} (paged optimizer state in CUDA managed memory, "
                          "outside PyTorch's allocator and the figures above; counted against the device)")
@@ -196,7 +199,11 @@ class Estimate:
             )
         lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
         lines += [f"  {name:<15}  {text}" for name, text in (self.trained.rows(self.mode) if self.trained else [])]
-        lines += [f"  not included: {name} about {format_bytes(size)} ({why})" for name, size, why in self.overheads]
+        for name, size, why in self.overheads:
+            if name == "cuBLAS workspace" and self.workspaces is not None and self.reserved_with_workspaces is not None:
+                size, why = self.workspaces.total, (f"{self.workspaces.count} of {format_bytes(self.workspaces.each)}; in "
+                                                    "'with workspaces' above")
+            lines.append(f"  not included: {name} about {format_bytes(size)} ({why})")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 

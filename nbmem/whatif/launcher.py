@@ -32,7 +32,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import tempfile
 import threading
 import time
 import traceback
