@@ -55,8 +55,9 @@ MiB = 1 << 20
 class Probes:
     """Collects each item's readings or error, and keeps to the time budget."""
 
-    def __init__(self, out: Path, budget: float) -> None:
+    def __init__(self, out: Path, budget: float, name: str = "probes.json", indent: int | None = 1) -> None:
         self.out = out
+        self.name, self.indent = name, indent
         self.deadline = time.monotonic() + budget
         self.results: dict[str, Any] = {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -90,7 +91,7 @@ class Probes:
         self.save()
 
     def save(self) -> None:
-        (self.out / "probes.json").write_text(json.dumps(self.results, indent=1, default=str))
+        (self.out / self.name).write_text(json.dumps(self.results, indent=self.indent, default=str))
 
 
 def stats() -> dict[str, int]:

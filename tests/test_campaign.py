@@ -121,3 +121,47 @@ def test_the_tables_and_files_it_writes(campaign: ModuleType, tmp_path: Path) ->
     assert markdown.startswith("# nbmem GPU campaign, 2026-11-23T00:00:00+00:00\n\nDevice: device NVIDIA H100 80GB HBM3, "
                                "torch 2.13.0\n\nEvery figure is relative.\n")
     assert "## zoo (12 s)\n\n| model | batch |" in markdown and "- not_run_out_of_time: 3" in markdown
+
+
+@pytest.fixture(scope="module")
+def misses() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_probes_misses", SCRIPT.parent / "gpu_probes_misses.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@needs_no_cuda
+def test_the_misses_probe_refuses_without_cuda(misses: ModuleType, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert misses.main(["--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists()
+    assert capsys.readouterr().err == "gpu_probes_misses.py: no CUDA device here; nothing to probe\n"
+
+
+def test_the_misses_probe_reduces_a_real_h100_history(misses: ModuleType) -> None:
+    """compact() and allocations() on an allocator history an H100 recorded (an MLP's three AdamW steps)."""
+    import pickle
+
+    path = SCRIPT.parent / "results" / "2026-11-25-gpu" / "snapshot-mlp.pickle"
+    with open(path, "rb") as f:
+        trace = pickle.load(f)["device_traces"][0]
+    reduced = misses.compact({"device_traces": [trace]})
+    events = reduced["events"]
+    assert len(events) == 169 and len(json.dumps(reduced)) < 20_000  # small enough to come back from the device
+    # the first allocation is the first layer's 16 MiB weight (4096 x 1024 fp32), made by Module._apply (.cuda())
+    assert events[1][:1] + events[1][2:] == ["alloc", 16 * MiB, "module.py:1097 <lambda>"]
+    allocated = sum(size if action == "alloc" else -size for action, _, size, *_ in events
+                    if action in ("alloc", "free_completed"))
+    assert allocated == sum(e["size"] for e in trace if e["action"] == "alloc") - sum(
+        e["size"] for e in trace if e["action"] == "free_completed")
+    assert reduced["peak_event"] >= 0 and events[reduced["peak_event"]][0] == "alloc"
+    made = misses.allocations(trace)
+    assert len(made) == sum(e["action"] == "alloc" for e in trace) == 84
+    assert sum(freed for _, freed in made) == 69
+    # the 15 left: 4 parameters and their 8 AdamW moments (the step counters live on the CPU), 2 cuBLAS workspaces
+    # of 32 MiB (forward's thread and backward's), and one 1 MiB block
+    kept = sorted(size for size, freed in made if not freed)
+    assert kept == sorted([16 * MiB] * 6 + [16384] * 3 + [4096] * 3 + [32 * MiB] * 2 + [MiB])
+    assert made[0] == [16 * MiB, False]
