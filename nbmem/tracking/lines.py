@@ -66,6 +66,10 @@ def _is_users(code: CodeType) -> bool:
     return verdict
 
 
+#: the frames above line_now when a storage is counted, all nbmem's: made, and the tracker's _count that calls it
+_FROM_MADE = 3
+
+
 class LineCounter:
     """Live and allocated bytes per line of the user's code, for one tracker while lines are asked for."""
 
@@ -79,30 +83,42 @@ class LineCounter:
         self.allocated: dict[Any, int] = {}
         self.owners: set[int] = set()  # ids of the scopes that asked for lines (nested scopes share one counter)
 
-    def line_now(self) -> tuple[str, int] | None:
-        """The innermost frame of the user's code on the asking thread's stack, or None (all PyTorch's or nbmem's)."""
-        frame: Any = sys._getframe(1) if threading.get_ident() == self.thread else sys._current_frames().get(self.thread)
-        while frame is not None and not _is_users(frame.f_code):
+    def line_now(self, skip: int = 1) -> tuple[str, int] | None:
+        """The innermost frame of the user's code on the asking thread's stack, or None (all PyTorch's or nbmem's).
+
+        ``skip``: on the asking thread, the frames known to be nbmem's, this
+        call's own included (the walk starts above them).
+        """
+        frame: Any = sys._getframe(skip) if threading.get_ident() == self.thread else sys._current_frames().get(self.thread)
+        verdicts = _VERDICTS  # the cache read inline: this loop runs for every storage made (about 10 frames each)
+        while frame is not None:
+            code = frame.f_code
+            verdict = verdicts.get(code.co_filename)
+            if verdict or (verdict is None and _is_users(code)):
+                return code.co_filename, frame.f_lineno
             frame = frame.f_back
-        return None if frame is None else (frame.f_code.co_filename, frame.f_lineno)
+        return None
 
     def made(self, record: Any, adopted: bool) -> None:
         """A storage counted: charged to the user's line running now (None when it existed before)."""
-        line = None if adopted else self.line_now()
-        record.line = line
-        self.live[line] = self.live.get(line, 0) + record.size
-        if not adopted:
-            self.allocated[line] = self.allocated.get(line, 0) + record.size
+        size, live = record.size, self.live
+        if adopted:
+            record.line = None
+            live[None] = live.get(None, 0) + size
+            return
+        record.line = line = self.line_now(_FROM_MADE)
+        live[line] = live.get(line, 0) + size
+        self.allocated[line] = self.allocated.get(line, 0) + size
 
     def resized(self, record: Any, growth: int) -> None:
-        line = getattr(record, "line", None)
+        line = record.line
         self.live[line] = self.live.get(line, 0) + growth
         if growth > 0:
             self.allocated[line] = self.allocated.get(line, 0) + growth
 
     def freed(self, record: Any) -> None:
-        line = getattr(record, "line", None)
-        self.live[line] = self.live.get(line, 0) - record.size
+        line, live = record.line, self.live
+        live[line] = live.get(line, 0) - record.size
 
     def snapshot(self) -> dict[Any, int]:
         return {line: size for line, size in self.live.items() if size}
@@ -111,8 +127,7 @@ class LineCounter:
         """Live bytes from the records themselves (after Ctrl-C cut an update short)."""
         live: dict[Any, int] = {}
         for record in records:
-            line = getattr(record, "line", None)
-            live[line] = live.get(line, 0) + record.size
+            live[record.line] = live.get(record.line, 0) + record.size
         self.live = live
 
 
