@@ -257,3 +257,24 @@ def test_reading_the_stack_never_runs_a_garbage_collection_inside_an_allocation(
                 gc.callbacks.remove(started)
                 gc.set_threshold(*threshold)
     assert not any(from_the_engine)
+
+
+_NO_USER_FRAME = compile(  # a file name no rule calls the user's: a block whose every frame is nbmem's, torch's or this
+    "with nbmem.track('cpu', lines=True, engine=engine) as scope:\n"
+    "    made = torch.zeros(256, 1024)\n"
+    "found.update(result=scope.result, made=made)\n",
+    "<frozen no user here>", "exec")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_allocation_charged_to_no_line_counts_as_made_before_the_lines_as_at_its_peak(engine):
+    # (found last session) with no frame of the user's on the stack, and no line charged yet, an allocation goes to
+    # "(alive before)"; the native engine counted it there at the peak but not as made, the dispatch engine as both
+    found: dict = {}
+    worker = threading.Thread(target=exec, args=(_NO_USER_FRAME, {"nbmem": nbmem, "torch": torch, "engine": engine,
+                                                                  "found": found}))
+    worker.start()
+    worker.join()
+    result = found["result"]
+    assert result.peak == MiB
+    assert by_where(result) == {"(alive before)": (result.allocated_before + MiB, MiB)}

@@ -184,7 +184,7 @@ struct Accounts {
     categories[kOther] += size;
     module_bytes(modules, in_module) += size;
     line_bytes(lines, line) += size;
-    if (line != kBefore) line_bytes(lines_allocated, line) += size;
+    if (born != -1) line_bytes(lines_allocated, line) += size;  // made now: charged as made, "(alive before)" too
     return serials;
   }
 
