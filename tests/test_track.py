@@ -16,6 +16,7 @@ from nbmem.tracking.accelerators import DeviceCounter
 from nbmem.tracking import scope as scope_module
 from nbmem.tracking.scope import MemoryScope
 from nbmem.tracking.tracker import Tracker, default_tracker
+from test_compiled import needs_native  # skipped without a C++ compiler, unless CI requires the native engine
 
 MiB = 1024**2
 LINEAR_1024 = 1024 * 1024 * 4 + 1024 * 4  # weight + bias, float32 = 4198400
@@ -596,3 +597,24 @@ def assert_gradients_between_blocks_counted(measure) -> None:
 
 def test_gradients_made_between_blocks_are_in_the_next_ones_baseline():
     assert_gradients_between_blocks_counted(lambda **options: nbmem.measure("cpu", backend="tracked", **options))
+
+
+@pytest.mark.parametrize("engine", ["dispatch", pytest.param("native", marks=needs_native)])
+def test_a_tracked_block_that_ran_layers_cudnn_would_run_says_what_they_add_on_a_gpu(engine):
+    from nbmem.core.cudnn import CONV_NOTE, RNN_NOTE
+
+    lstm, conv = torch.nn.LSTM(16, 32, batch_first=True), torch.nn.Conv1d(2, 2, 3)
+    with nbmem.track("cpu", engine=engine) as outer:
+        with nbmem.track("cpu", engine=engine) as plain:
+            torch.nn.Linear(4, 4)(torch.ones(2, 4)).sum().backward()
+        lstm(torch.ones(4, 8, 16))[0].sum().backward()
+    assert RNN_NOTE in outer.result.notes and CONV_NOTE not in outer.result.notes
+    assert not {RNN_NOTE, CONV_NOTE} & set(plain.result.notes)  # only what ran inside the block
+    with nbmem.track("cpu", engine=engine) as both:
+        conv(torch.ones(1, 2, 5))
+        lstm(torch.ones(1, 2, 16))
+    assert [note for note in both.result.notes if note in (RNN_NOTE, CONV_NOTE)] == [RNN_NOTE, CONV_NOTE]
+    assert f"note: {CONV_NOTE}" in str(both.result)
+    with nbmem.track("cpu", engine=engine) as after:  # the layers ran before this block, not in it
+        pass
+    assert not {RNN_NOTE, CONV_NOTE} & set(after.result.notes)

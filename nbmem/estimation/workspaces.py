@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..core.allocator import CachingAllocatorSimulation
+from ..core.cudnn import CONV_NOTE, RNN_NOTE, cudnn_kind, notes_for
 from ..core.devices import COMPUTE_CAPABILITY, PRESETS
 from ..core.units import format_bytes
 
-__all__ = ["Workspaces", "WithWorkspaces", "workspace_size", "workspaces_for", "cudnn_notes"]
+__all__ = ["Workspaces", "WithWorkspaces", "workspace_size", "workspaces_for", "cudnn_notes", "RNN_NOTE", "CONV_NOTE"]
 
 DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8"
 HOPPER = 4096 * 8 * 1024  # 32 MiB on compute capability 9.0
@@ -106,21 +107,6 @@ class WithWorkspaces:
         return WithWorkspaces(self.tensors.relaid(), self.whole.relaid())
 
 
-#: What an H100 allocated beyond the estimate where cuDNN's kernels ran (torch 2.11, cuDNN 9.19, 2026-11-25;
-#: benchmarks/results/2026-11-25-gpu/campaign-run4-zoo.json, replayed by benchmarks/bench_campaign_replay.py)
-RNN_NOTE = (
-    "cuDNN: on an NVIDIA GPU, nn.LSTM/GRU/RNN run cuDNN's RNN kernels, which keep a reserve buffer for backward and "
-    "take workspaces through the allocator; this estimate runs PyTorch's own RNN and holds neither. Measured on an "
-    "H100 (cuDNN 9.19): a 2-layer, 256-wide LSTM over batch 8 x 32 steps allocated 17-21 MiB more than estimated "
-    "(51-60 % of its step's peak) and reserved 32-34 MiB more. Measure it (mode='measured') before trusting this figure"
-)
-CONV_NOTE = (
-    "cuDNN: on an NVIDIA GPU, convolutions take workspaces through the allocator, sized by the algorithm cuDNN picks "
-    "(not modelled here). Measured on an H100 (cuDNN 9.19): a small CNN's fp32 step allocated 2.8 MiB (15 %) more "
-    "than estimated, and its bf16 steps reserved 20 MiB more"
-)
-
-
 def cudnn_notes(model: nn.Module, device_label: str | None) -> list[str]:
     """What cuDNN's kernels hold beyond an estimate of ``model`` for the GPU ``device_label`` names (none: not NVIDIA).
 
@@ -129,18 +115,12 @@ def cudnn_notes(model: nn.Module, device_label: str | None) -> list[str]:
     Presets of other backends (MPS, XPU) get no note; AMD's (ROCm, which runs
     MIOpen) and unnamed devices get them, as on CUDA.
 
-    >>> cudnn_notes(nn.LSTM(4, 8), "H100-80GB")[0][:45]
-    'cuDNN: on an NVIDIA GPU, nn.LSTM/GRU/RNN run '
+    >>> cudnn_notes(nn.LSTM(4, 8), "H100-80GB") == [RNN_NOTE]
+    True
     >>> cudnn_notes(nn.Conv2d(3, 8, 3), "Mac-16GB"), cudnn_notes(nn.Linear(4, 4), None)
     ([], [])
     """
     known = PRESETS.get(device_label or "")
     if known is not None and known.backend != "cuda":
         return []
-    kinds = {type(module) for module in model.modules()}
-    notes = []
-    if any(issubclass(kind, nn.RNNBase) for kind in kinds):
-        notes.append(RNN_NOTE)
-    if any(issubclass(kind, nn.modules.conv._ConvNd) for kind in kinds):
-        notes.append(CONV_NOTE)
-    return notes
+    return notes_for(kind for module in model.modules() if (kind := cudnn_kind(module)) is not None)

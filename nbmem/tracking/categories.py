@@ -27,6 +27,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim_module
 
+from ..core.cudnn import cudnn_kind
 from .dispatch import skip_dynamo
 
 
@@ -127,6 +128,9 @@ class Attribution:
         #: Told the top-level module running after each module call begins or ends
         #: (the native engine labels allocations with it in C++); None: nobody asks.
         self.module_changed: Any = None
+        #: Calls so far of layers that run cuDNN's kernels on an NVIDIA GPU, by kind (nbmem.core.cudnn): a tracked
+        #: scope's result says what those would add
+        self.cudnn_calls: dict[str, int] = {}
 
     # -- install / remove ----------------------------------------------------
 
@@ -185,6 +189,9 @@ class Attribution:
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if _compiling():
             return  # torch.compile traces module calls with their global hooks: nbmem's stay out of its graph
+        kind = cudnn_kind(module)
+        if kind is not None:
+            self.cudnn_calls[kind] = self.cudnn_calls.get(kind, 0) + 1
         name = self.name_of(module)
         owner = top_level(name)
         outermost = not self._running

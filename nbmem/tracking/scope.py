@@ -21,6 +21,7 @@ from . import compiled
 from .accelerators import DeviceCounter, accelerator_type, current_device, device_count, device_counter
 from .counters import OpenScope
 from .lines import LineCounter, start_lines, stop_lines, usage as line_usage
+from ..core.cudnn import notes_for
 from ..core.results import CATEGORIES, Breakdown, MemoryResult
 from ..core.units import format_bytes
 from .timeline import op_name
@@ -95,6 +96,12 @@ def resolve_backend(backend: str = "auto", device: str | torch.device | None = N
     if backend == "tracked":
         return "tracked", device
     return ("measured" if device.type != "cpu" else "tracked"), device
+
+
+def _cudnn_calls(tracker: Any) -> dict[str, int]:
+    """Calls so far of layers cuDNN's kernels would run on an NVIDIA GPU, by kind, as the tracker's hooks counted them."""
+    attribution = getattr(tracker, "_attribution", None)
+    return attribution.cudnn_calls if attribution is not None else {}
 
 
 def tracker_alongside_note(same_without: str) -> str:
@@ -178,6 +185,8 @@ class MemoryScope:
         self._want_lines = lines
         self._lines: LineCounter | None = None  # the tracker's, while this scope wants lines
         self._lines_from: dict[Any, int] = {}
+        self._cudnn_from: dict[str, int] = {}  # calls of layers cuDNN would run, before the block (nbmem.core.cudnn)
+        self._cudnn_ran: list[str] = []  # the kinds of those layers the block ran
         self._show_breakdown = breakdown
         self._recording: Recording | None = None
         self._scope: OpenScope | None = None
@@ -236,6 +245,7 @@ class MemoryScope:
                     self._tracker_scope = self._scope
                 if self._timeline:
                     self._recording = tracker.start_recording()
+                self._cudnn_from = dict(_cudnn_calls(tracker))
                 if self._want_lines:
                     self._lines = start_lines(tracker, self)
                     self._lines_from = dict(self._lines.allocated)
@@ -309,6 +319,9 @@ class MemoryScope:
                 # Not after a virtual out-of-memory error: the refused tensor exists on the CPU, held by
                 # the traceback, but was never allocated on the device.
                 unseen = counter.count_made_unseen()
+            if tracker is not None:  # before the tracker's hooks go with the scope
+                ran = _cudnn_calls(tracker)
+                self._cudnn_ran = [kind for kind, calls in ran.items() if calls > self._cudnn_from.get(kind, 0)]
             self._close_scopes(scope, tracker_scope)
             if tracker is not None and error is not None:
                 tracker.reconcile()  # an interrupt in the accounting may have cut an update short
@@ -351,6 +364,8 @@ class MemoryScope:
             )
         ran_as, said = self._compiled_figures()
         notes += said
+        if self.mode == "tracked" and self.device.type == "cpu":  # PyTorch's CPU kernels ran, not cuDNN's
+            notes += notes_for(self._cudnn_ran)
         if isinstance(counter, DeviceCounter):
             name, capacity, free = counter.device_view()
             missing = counter.missing_note()
