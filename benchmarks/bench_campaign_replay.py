@@ -72,7 +72,7 @@ def main() -> None:
         row = {**{key: old[key] for key in ("model", "batch", "precision", "checkpointing", "optimizer")},
                "measured": old["measured"], "measured_reserved": old["measured_reserved"],
                "campaign_estimate": old["estimated"], "estimate": result.peak,
-               "with_workspaces": getattr(result, "with_workspaces", None),
+               "reserved_with_workspaces": result.reserved_with_workspaces,
                "campaign_estimate_reserved": old["estimated_reserved"], "estimate_reserved": result.reserved,
                "seconds": round(time.perf_counter() - started, 2)}
         row["error"] = relative(row["estimate"], row["measured"])
@@ -84,8 +84,14 @@ def main() -> None:
               f"{row['optimizer']:12} measured {row['measured'] / MiB:8.2f} MiB  estimate {row['estimate'] / MiB:8.2f} "
               f"({row['error']:+.2%}, campaign {row['campaign_error']:+.2%})  reserved "
               f"{row['estimate_reserved'] / MiB:7.1f} vs {row['measured_reserved'] / MiB:7.1f} "
-              f"({row['reserved_error']:+.2%})", flush=True)
+              f"({row['reserved_error']:+.2%}, campaign {row['campaign_estimate_reserved'] / MiB:.1f})", flush=True)
     report["rows"] = rows
+    moved = [f"{row['model']} {row['precision']} checkpointing={row['checkpointing']} {row['optimizer']}: allocated "
+             f"{row['estimate'] - row['campaign_estimate']:+,} B, reserved "
+             f"{row['estimate_reserved'] - row['campaign_estimate_reserved']:+,} B" for row in rows
+             if (row["estimate"], row["estimate_reserved"]) != (row["campaign_estimate"], row["campaign_estimate_reserved"])]
+    report["moved since the campaign"] = moved
+    print(f"{len(rows) - len(moved)} of {len(rows)} estimates equal the campaign's to the byte; moved:", *moved, sep="\n  ")
     for label, key in (("allocated, today", "error"), ("allocated, campaign", "campaign_error"),
                        ("reserved, today", "reserved_error"), ("reserved, campaign", "campaign_reserved_error")):
         report[label] = summary([row[key] for row in rows])

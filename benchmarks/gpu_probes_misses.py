@@ -2,7 +2,7 @@
 
 ``bench_campaign_replay.py`` shows what is left between today's estimates and
 the H100's measured peaks: fp32 Llama 4.5 % low, fp32 GPT-2 2.2-2.5 % high,
-some reserved figures 6.7-7.8 % off, and cuDNN's kernels (LSTM 51-60 % low,
+four reserved figures 6.7-7.8 % off, and cuDNN's kernels (LSTM 51-60 % low,
 convolutions' workspaces), which the estimate does not model. Only the
 allocator's history can say why. This script records it, compactly enough
 to come back from the device (at most 16 MiB a file):
@@ -14,7 +14,7 @@ to come back from the device (at most 16 MiB a file):
   (``file:line``). ``estimate(..., timeline=True)`` on a CPU gives the same
   step's events to lay beside it.
 - ``rnn``: cuDNN's RNN across sizes (LSTM and GRU; hidden, layers, batch,
-  sequence, fp32/bf16): the bytes of ``_cudnn_rnn``'s outputs (its reserve
+  sequence, fp32 and bf16 autocast as nbmem runs them): the bytes of ``_cudnn_rnn``'s outputs (its reserve
   buffer among them) and every allocation forward and backward made, with
   whether it was freed inside its phase (a workspace) or not.
 - ``conv``: the same for convolutions (channels, kernel, image, batch, dtype;
@@ -33,6 +33,8 @@ import gc
 import itertools
 import json
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +51,7 @@ MISSES = (
     ("llama (4 layers, 512)", "fp32", False, "adamw"),
     ("gpt2 (6 layers, 512)", "fp32", False, "sgd-momentum"),
     ("gpt2 (6 layers, 512)", "bf16", True, "sgd-momentum"),
+    ("gpt2 (6 layers, 512)", "fp32", True, "sgd-momentum"),
     ("bert (4 layers, 256)", "bf16", False, "adamw"),
     ("lstm", "fp32", False, "adamw"),
     ("cnn (conv+BN blocks)", "fp32", True, "adamw"),
@@ -169,34 +172,51 @@ def _outputs(run: Callable[[], torch.Tensor], names: tuple[str, ...]) -> list[li
     return seen
 
 
-def probe_rnn() -> list[dict[str, Any]]:
-    rows = []
-    grid = itertools.product(("LSTM",), (128, 256, 512, 1024), (1, 2), (8, 64), (32, 128), (torch.float32, torch.bfloat16))
-    extra = itertools.product(("GRU",), (256, 1024), (2,), (8, 64), (32,), (torch.float32, torch.bfloat16))
-    for kind, hidden, layers, batch, steps, dtype in itertools.chain(grid, extra):
-        model = getattr(nn, kind)(hidden, hidden, num_layers=layers, batch_first=True).cuda().to(dtype)
-        x = torch.randn(batch, steps, hidden, device="cuda", dtype=dtype)
-        run = lambda: model(x)[0].float().pow(2).mean()  # noqa: E731
+def _under(precision: str, forward: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """``forward`` as nbmem's precisions run it: fp32 as it is; bf16 under CUDA's autocast (fp32 weights)."""
+    def run() -> torch.Tensor:
+        with torch.autocast("cuda", torch.bfloat16, enabled=precision == "bf16"):
+            return forward().float().pow(2).mean()
+    return run
+
+
+def _sweep(grid: Iterable[tuple[Any, ...]], make: Callable[..., tuple[dict[str, Any], Callable[[], torch.Tensor]]],
+           names: tuple[str, ...], deadline: float) -> dict[str, Any]:
+    """One row per configuration of ``grid`` until 3 s before ``deadline`` (the rest counted as cut)."""
+    rows: list[dict[str, Any]] = []
+    grid = list(grid)
+    for point in grid:
+        if time.monotonic() > deadline - 3:
+            break
+        row, run = make(*point)
         run().backward()  # warm: cuDNN's plans, cuBLAS's workspace
-        rows.append({"kind": kind, "hidden": hidden, "layers": layers, "batch": batch, "steps": steps,
-                     "dtype": str(dtype).removeprefix("torch."),
-                     "ops": _outputs(run, ("_cudnn_rnn",)), **_phases(run)})
-    return rows
+        rows.append({**row, "ops": _outputs(run, names), **_phases(run)})
+    return {"rows": rows, "cut": len(grid) - len(rows)}
 
 
-def probe_conv() -> list[dict[str, Any]]:
-    rows = []
-    torch.backends.cudnn.benchmark = False
-    grid = itertools.product((64, 256), (1, 3), (32, 64), (8, 64), (torch.float32, torch.bfloat16))
-    for channels, kernel, image, batch, dtype in grid:
-        model = nn.Conv2d(channels, channels, kernel, padding=kernel // 2).cuda().to(dtype)
-        x = torch.randn(batch, channels, image, image, device="cuda", dtype=dtype, requires_grad=True)
-        run = lambda: model(x).float().pow(2).mean()  # noqa: E731
-        run().backward()
-        rows.append({"channels": channels, "kernel": kernel, "image": image, "batch": batch,
-                     "dtype": str(dtype).removeprefix("torch."),
-                     "ops": _outputs(run, ("convolution",)), **_phases(run)})
-    return rows
+def probe_rnn(deadline: float) -> dict[str, Any]:
+    def make(kind: str, hidden: int, layers: int, batch: int, steps: int, precision: str) -> Any:
+        model = getattr(nn, kind)(hidden, hidden, num_layers=layers, batch_first=True).cuda()
+        x = torch.randn(batch, steps, hidden, device="cuda")
+        row = {"kind": kind, "hidden": hidden, "layers": layers, "batch": batch, "steps": steps, "precision": precision}
+        return row, _under(precision, lambda: model(x)[0])
+
+    grid = itertools.product(("LSTM",), (128, 256, 512, 1024), (1, 2), (8, 64), (32, 128), ("fp32", "bf16"))
+    extra = itertools.product(("GRU",), (256, 1024), (2,), (8, 64), (32,), ("fp32", "bf16"))
+    return _sweep(itertools.chain(grid, extra), make, ("_cudnn_rnn",), deadline)
+
+
+def probe_conv(deadline: float) -> dict[str, Any]:
+    torch.backends.cudnn.benchmark = False  # PyTorch's default: cuDNN's heuristics pick the algorithm
+
+    def make(channels: int, kernel: int, image: int, batch: int, precision: str) -> Any:
+        model = nn.Conv2d(channels, channels, kernel, padding=kernel // 2).cuda()
+        x = torch.randn(batch, channels, image, image, device="cuda", requires_grad=True)
+        row = {"channels": channels, "kernel": kernel, "image": image, "batch": batch, "precision": precision}
+        return row, _under(precision, lambda: model(x))
+
+    grid = itertools.product((64, 256), (1, 3), (32, 64), (8, 64), ("fp32", "bf16"))
+    return _sweep(grid, make, ("convolution",), deadline)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         for miss in MISSES:
             probes.item("trace." + ".".join(map(str, miss)), lambda m=miss: probe_trace(*m), reserve=20.0)
     if "rnn" in sections:
-        probes.item("rnn", probe_rnn, reserve=30.0)
+        probes.item("rnn", lambda: probe_rnn(probes.deadline - 40), reserve=30.0)  # leaves the convolutions time
     if "conv" in sections:
-        probes.item("conv", probe_conv, reserve=20.0)
+        probes.item("conv", lambda: probe_conv(probes.deadline), reserve=20.0)
     probes.save()
     print(json.dumps({k: v["status"][:80] for k, v in probes.results["items"].items()}, indent=1))
     return 0

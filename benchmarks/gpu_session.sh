@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One `run` call for a GPU lent to a session (about 8 minutes; the device tool's time is 15 minutes a session, start
-# included): what the open issues still need from CUDA, most needed first, each step with its own budget so that a
-# step that hangs can't take the others' time. Carry `.whl` (benchmarks/README.md says how to fill it).
+# included): what the open issues still need from CUDA, most needed first, each step with its own time limit so that
+# a step that hangs can't take the others' time. Carry `.whl` (benchmarks/README.md says how to fill it).
 #
 #   run: bash benchmarks/gpu_session.sh        carry: [".whl"]   timeout_s: 560
 #
@@ -9,17 +9,21 @@
 # pytest-cuda.log, session.log.
 set -uo pipefail
 OUT=${OUT:?run it through the device tool, which sets OUT}
-exec > >(tee "$OUT/session.log") 2>&1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || echo "wheels not installed: the magics' tests will say not run"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
-# 1. issue 24: the allocator's history where estimates still miss, and cuDNN's RNN/convolution sizes
-timeout 230 python3 benchmarks/gpu_probes_misses.py --out "$OUT/misses" --budget 200
-# 2. issues 23, 26, 27: nbmem's CUDA tests (measured mode, magics, snapshots, compiled steps)
-timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -n 60 > "$OUT/pytest-cuda.log"
-tail -n 5 "$OUT/pytest-cuda.log"
-# 3. issues 26, 27: a live snapshot against torch's counters, the accelerator API
-timeout 120 python3 benchmarks/gpu_probes.py --out "$OUT/probes" --budget 100 --sections accel,nbmem-snapshot
-echo "session done"
+
+steps() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || echo "wheels not installed: the magics' tests will say not run"
+  export PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
+  # 1. issue 24: the allocator's history where estimates still miss, and cuDNN's RNN/convolution sizes
+  timeout 230 python3 benchmarks/gpu_probes_misses.py --out "$OUT/misses" --budget 200
+  # 2. issues 23, 26, 27: nbmem's CUDA tests (measured mode, magics, snapshots, compiled steps); the whole log kept
+  timeout 150 python3 -m pytest -q -m cuda -p no:cacheprovider tests > "$OUT/pytest-cuda.log" 2>&1
+  tail -n 5 "$OUT/pytest-cuda.log"
+  # 3. issues 26, 27: a live snapshot against torch's counters, the accelerator API
+  timeout 120 python3 benchmarks/gpu_probes.py --out "$OUT/probes" --budget 100 --sections accel,nbmem-snapshot
+  echo "session done"
+}
+
+steps 2>&1 | tee "$OUT/session.log"

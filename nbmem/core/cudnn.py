@@ -29,14 +29,14 @@ __all__ = ["RNN_NOTE", "CONV_NOTE", "cudnn_kind", "notes_for"]
 RNN_NOTE = (
     "cuDNN: on an NVIDIA GPU, nn.LSTM/GRU/RNN run cuDNN's RNN kernels, which keep a reserve buffer for backward and "
     "take workspaces through the allocator; these figures come from PyTorch's own RNN kernels, which hold neither. "
-    "Measured on an H100 (cuDNN 9.19): a 2-layer, 256-wide LSTM over batch 8 x 32 steps allocated 17-21 MiB more "
-    "than estimated (51-60 % of its step's peak) and reserved 32-34 MiB more. Measure it on the GPU before trusting "
-    "this figure"
+    "On an H100 (cuDNN 9.19) a training step of a 2-layer, 256-wide LSTM over batch 8 x 32 steps allocated 17-21 MiB "
+    "more than its estimate, which was 51-60 % below the measured peak, and reserved 32-34 MiB more. Measure it on "
+    "the GPU before trusting this figure"
 )
 CONV_NOTE = (
     "cuDNN: on an NVIDIA GPU, convolutions take workspaces through the allocator, sized by the algorithm cuDNN picks "
-    "(not in these figures). Measured on an H100 (cuDNN 9.19): a small CNN's fp32 step allocated 2.8 MiB (15 %) more "
-    "than estimated, and its bf16 steps reserved 20 MiB more"
+    "(not in these figures). On an H100 (cuDNN 9.19) a small CNN's fp32 training step allocated 2.8 MiB more than its "
+    "estimate (15 % below the measured peak), and its bf16 steps reserved 20 MiB more"
 )
 _NOTES = {"rnn": RNN_NOTE, "conv": CONV_NOTE}
 
