@@ -373,3 +373,8 @@ def test_recurrent_and_convolution_layers_say_what_cudnn_holds_beyond_the_estima
         assert not {RNN_NOTE, CONV_NOTE} & set(estimate(Both, make, batch_size=2, loss=loss, device=other).notes)
     linear = estimate(lambda: nn.Linear(4, 4), lambda n: torch.randn(n, 4), batch_size=2, device="T4")
     assert not {RNN_NOTE, CONV_NOTE} & set(linear.notes)
+    # the H100's figures are a training step's: an inference estimate names the layers without them
+    served = [note for note in estimate(Both, make, batch_size=2, task="inference", device="T4").notes
+              if note.startswith("cuDNN: ")]
+    assert len(served) == 2 and all(full.startswith(note.split(";")[0]) for note, full in zip(served, (RNN_NOTE, CONV_NOTE)))
+    assert all(note.endswith("measured only for training steps so far") and "H100" not in note for note in served)

@@ -26,19 +26,25 @@ from torch import nn
 
 __all__ = ["RNN_NOTE", "CONV_NOTE", "cudnn_kind", "notes_for"]
 
-RNN_NOTE = (
+_RNN = (
     "cuDNN: on an NVIDIA GPU, nn.LSTM/GRU/RNN run cuDNN's RNN kernels, which keep a reserve buffer for backward and "
-    "take workspaces through the allocator; these figures come from PyTorch's own RNN kernels, which hold neither. "
-    "On an H100 (cuDNN 9.19) a training step of a 2-layer, 256-wide LSTM over batch 8 x 32 steps allocated 17-21 MiB "
-    "more than its estimate, which was 51-60 % below the measured peak, and reserved 32-34 MiB more. Measure it on "
-    "the GPU before trusting this figure"
+    "take workspaces through the allocator; these figures come from PyTorch's own RNN kernels, which hold neither"
+)
+_CONV = (
+    "cuDNN: on an NVIDIA GPU, convolutions take workspaces through the allocator, sized by the algorithm cuDNN picks "
+    "(not in these figures)"
+)
+RNN_NOTE = (
+    f"{_RNN}. On an H100 (cuDNN 9.19) a training step of a 2-layer, 256-wide LSTM over batch 8 x 32 steps allocated "
+    "17-21 MiB more than its estimate, which was 51-60 % below the measured peak, and reserved 32-34 MiB more. "
+    "Measure it on the GPU before trusting this figure"
 )
 CONV_NOTE = (
-    "cuDNN: on an NVIDIA GPU, convolutions take workspaces through the allocator, sized by the algorithm cuDNN picks "
-    "(not in these figures). On an H100 (cuDNN 9.19) a small CNN's fp32 training step allocated 2.8 MiB more than its "
-    "estimate (15 % below the measured peak), and its bf16 steps reserved 20 MiB more"
+    f"{_CONV}. On an H100 (cuDNN 9.19) a small CNN's fp32 training step allocated 2.8 MiB more than its estimate (15 % "
+    "below the measured peak), and its bf16 steps reserved 20 MiB more"
 )
-_NOTES = {"rnn": RNN_NOTE, "conv": CONV_NOTE}
+_UNMEASURED = "; how much they add has been measured only for training steps so far"
+_NOTES = {"rnn": (RNN_NOTE, _RNN + _UNMEASURED), "conv": (CONV_NOTE, _CONV + _UNMEASURED)}
 
 
 def cudnn_kind(module: nn.Module) -> str | None:
@@ -50,7 +56,8 @@ def cudnn_kind(module: nn.Module) -> str | None:
     return None
 
 
-def notes_for(kinds: Iterable[str]) -> list[str]:
-    """The notes for the kinds of layers that ran (RNN first), each once."""
+def notes_for(kinds: Iterable[str], training: bool = True) -> list[str]:
+    """The notes for the kinds of layers that ran (RNN first), each once; with the H100's figures when ``training``
+    (they are a training step's), without them otherwise (inference, generation)."""
     found = set(kinds)
-    return [note for kind, note in _NOTES.items() if kind in found]
+    return [notes[0] if training else notes[1] for kind, notes in _NOTES.items() if kind in found]

@@ -439,7 +439,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes.append("kernel workspaces other than cuBLAS's are not included (inductor's plan follows oneDNN's CPU kernels)"
                      if planned else "kernel workspaces other than cuBLAS's are not included (CPU oneDNN kernels are "
                      "turned off for the step)")
-        notes += cudnn_notes(network, label)
+        notes += cudnn_notes(network, label, task)
     if planning is not None:
         if planning.calls == 0:
             notes.insert(0, UNPLANNED_NOTE)

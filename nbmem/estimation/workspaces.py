@@ -107,13 +107,14 @@ class WithWorkspaces:
         return WithWorkspaces(self.tensors.relaid(), self.whole.relaid())
 
 
-def cudnn_notes(model: nn.Module, device_label: str | None) -> list[str]:
+def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train") -> list[str]:
     """What cuDNN's kernels hold beyond an estimate of ``model`` for the GPU ``device_label`` names (none: not NVIDIA).
 
     An estimate runs PyTorch's own kernels on fake tensors; on an NVIDIA GPU
     recurrent layers and convolutions run cuDNN's, with memory of their own.
     Presets of other backends (MPS, XPU) get no note; AMD's (ROCm, which runs
-    MIOpen) and unnamed devices get them, as on CUDA.
+    MIOpen) and unnamed devices get them, as on CUDA. The H100's figures they
+    quote are a training step's: for another ``task`` the notes leave them out.
 
     >>> cudnn_notes(nn.LSTM(4, 8), "H100-80GB") == [RNN_NOTE]
     True
@@ -123,4 +124,4 @@ def cudnn_notes(model: nn.Module, device_label: str | None) -> list[str]:
     known = PRESETS.get(device_label or "")
     if known is not None and known.backend != "cuda":
         return []
-    return notes_for(kind for module in model.modules() if (kind := cudnn_kind(module)) is not None)
+    return notes_for((kind for module in model.modules() if (kind := cudnn_kind(module)) is not None), task == "train")
