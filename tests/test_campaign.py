@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,19 @@ def test_the_misses_probe_reduces_a_real_h100_history(misses: ModuleType) -> Non
     kept = sorted(size for size, freed in made if not freed)
     assert kept == sorted([16 * MiB] * 6 + [16384] * 3 + [4096] * 3 + [32 * MiB] * 2 + [MiB])
     assert made[0] == [16 * MiB, False]
+
+
+def test_the_gpu_sessions_script_names_files_that_exist_and_is_valid_bash() -> None:
+    script = SCRIPT.parent / "gpu_session.sh"
+    text = script.read_text()
+    named = set(re.findall(r"\b((?:benchmarks|tests)/[\w./-]+\.py)\b", text))
+    assert {"benchmarks/gpu_probes_misses.py", "benchmarks/gpu_probes.py", "tests/test_cuda.py"} <= named
+    assert all((SCRIPT.parent.parent / path).is_file() for path in named), named
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    # the sections it asks of the probes are ones they have
+    spec = importlib.util.spec_from_file_location("gpu_probes", SCRIPT.parent / "gpu_probes.py")
+    assert spec is not None and spec.loader is not None
+    probes = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probes)
+    sections = re.findall(r"gpu_probes\.py .*--sections ([\w,-]+)", text)
+    assert sections and set(sections[0].split(",")) <= set(probes.SECTIONS)
