@@ -40,8 +40,8 @@ RNN_NOTE = (
     "Measure it on the GPU before trusting this figure"
 )
 CONV_NOTE = (
-    f"{_CONV}. On an H100 (cuDNN 9.19) a small CNN's fp32 training step allocated 2.8 MiB more than its estimate (15 % "
-    "below the measured peak), and its bf16 steps reserved 20 MiB more"
+    f"{_CONV}. On an H100 (cuDNN 9.19) a small CNN's fp32 training steps allocated 2.8 MiB more than their estimates "
+    "(12-16 % below the measured peak), and its bf16 steps reserved 20 MiB more"
 )
 _UNMEASURED = "; how much they add has been measured only for training steps so far"
 _NOTES = {"rnn": (RNN_NOTE, _RNN + _UNMEASURED), "conv": (CONV_NOTE, _CONV + _UNMEASURED)}
