@@ -66,7 +66,7 @@ def _is_users(code: CodeType) -> bool:
     return verdict
 
 
-#: the frames above line_now when a storage is counted, all nbmem's: made, and the tracker's _count that calls it
+#: the frames line_now skips when a storage is counted, all nbmem's: its own, made's, and the tracker's _count's
 _FROM_MADE = 3
 
 
