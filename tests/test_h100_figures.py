@@ -16,13 +16,14 @@ preset (``benchmarks/bench_campaign_replay.py`` prints the same table), and:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import statistics
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -36,14 +37,16 @@ MiB = 1 << 20
 CUDNN = ("lstm", "cnn (conv+BN blocks)")
 
 
-def _campaign_module() -> ModuleType:
+@contextlib.contextmanager
+def _benchmark(name: str) -> Iterator[ModuleType]:
+    """benchmarks/``name``.py as a module, with its folder on the path while used (its imports run late)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("gpu_campaign", ROOT / "benchmarks" / "gpu_campaign.py")
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module
+        yield module
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
 
@@ -52,18 +55,15 @@ def _campaign_module() -> ModuleType:
 def replayed() -> list[dict[str, Any]]:
     need("transformers", env="NBMEM_REQUIRE_ZOO")
     rows = json.loads(CAMPAIGN.read_text())["sections"]["zoo"]["rows"]
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # the zoo's plain models live in bench_accuracy
-    try:
-        zoo = _campaign_module()._zoo()
+    with _benchmark("gpu_campaign") as campaign:  # the zoo's plain models live in bench_accuracy, beside it
+        zoo = campaign._zoo()
         out = []
         for row in rows:
             build, make = zoo[row["model"]]
             result = estimate(build, make, device="H100-80GB", batch_size=row["batch"], precision=row["precision"],
                               checkpointing=row["checkpointing"], optimizer=row["optimizer"])
             out.append({**row, "today": result.peak, "today_reserved": result.reserved, "notes": result.notes})
-        return out
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return out
 
 
 def _error(found: int, truth: int) -> float:
@@ -122,19 +122,12 @@ def test_compile_estimates_meet_what_the_h100_measured_of_the_same_compiled_step
     """compile=True plans with inductor's CPU code; the H100 ran Triton's. The same steps, estimated here
     (benchmarks/bench_compiled_replay.py), against the allocator's peaks there (probes-run5-nbmem-compiled.json)."""
     need("transformers", env="NBMEM_REQUIRE_ZOO")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_compiled_replay", ROOT / "benchmarks" / "bench_compiled_replay.py")
-        assert spec is not None and spec.loader is not None
-        replay = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(replay)
+    with _benchmark("bench_compiled_replay") as replay:
         truth = replay.measured()
         assert truth == {"cnn": {"compiled": 945_219_584, "eager": 1_476_410_880},
                          "gpt": {"compiled": 457_035_776, "eager": 722_881_536}}
         cnn_compiled, gpt_compiled = replay.estimated("cnn", True), replay.estimated("gpt", True)
         cnn_eager = replay.estimated("cnn", False)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
     # within 0.5 % of Triton's compiled step (the plan: 944,238,592 B and 454,946,816 B)
     assert abs(_error(cnn_compiled, truth["cnn"]["compiled"])) < 0.005
     assert abs(_error(gpt_compiled, truth["gpt"]["compiled"])) < 0.005
