@@ -475,3 +475,21 @@ def test_a_compile_estimate_leaves_dynamos_shape_state_and_inductors_settings(fr
             assert any(note.startswith("compiled: torch.compile (inductor) ran") for note in result.notes)
         assert inductor_config.cpp_wrapper is True
     assert pgo._CODE_STATE == before
+
+
+def test_a_compile_estimate_lets_its_model_go(fresh_dynamo):
+    # (found this session) Dynamo keeps the globals of code it compiled, and the estimate's entry held the model in
+    # its globals: every compile=True estimate left its whole (fake) model alive
+    import gc
+    import weakref
+
+    built = []
+
+    def build():
+        model = mlp()
+        built.append(weakref.ref(model))
+        return model
+
+    nbmem.estimate(build, batch, batch_size=8, optimizer="sgd", compile=True)
+    gc.collect()
+    assert len(built) == 1 and built[0]() is None

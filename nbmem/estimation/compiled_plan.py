@@ -239,7 +239,7 @@ def planned_inductor(fake_mode: Any) -> Iterator[Planning]:
             compile_module.compile_fx = real_compile
 
 
-def compile_for_estimate(model: torch.nn.Module, notes: list[str]) -> torch.nn.Module:
+def compile_for_estimate(model: torch.nn.Module, notes: list[str]) -> _EstimateCompiled:
     """The estimate's copy of the model, ``torch.compile``'d with inductor, static shapes (a model the user compiled:
     its module again, compiled with the defaults, said in ``notes``)."""
     inner = getattr(model, "_orig_mod", model)
@@ -251,7 +251,8 @@ def compile_for_estimate(model: torch.nn.Module, notes: list[str]) -> torch.nn.M
     # code every module shares), and stops compiling a code object after 8 (its recompile limit): after 8 estimates
     # the 9th, and the user's own compile of that model class, would run eagerly. The estimate enters through a
     # function whose code object is its own, made for this estimate, which takes its cache with it when it goes.
-    return _EstimateCompiled(inner, torch.compile(_fresh_entry(inner), dynamic=False))
+    entry = _fresh_entry(inner)
+    return _EstimateCompiled(inner, torch.compile(entry, dynamic=False), entry.__globals__)
 
 
 def _enter(*args: Any, **kwargs: Any) -> Any:
@@ -267,13 +268,20 @@ def _fresh_entry(inner: torch.nn.Module) -> Callable[..., Any]:
 class _EstimateCompiled(torch.nn.Module):
     """The estimate's model: ``_orig_mod`` (its parameters and buffers), called through the compiled entry."""
 
-    def __init__(self, inner: torch.nn.Module, entry: Callable[..., Any]) -> None:
+    def __init__(self, inner: torch.nn.Module, entry: Callable[..., Any], scope: dict[str, Any]) -> None:
         super().__init__()
         self._orig_mod = inner
         self._entry = entry
+        self._scope = scope  # the entry's globals, which hold the model
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._entry(*args, **kwargs)
+
+    def release(self) -> None:
+        """Let the estimate's model go when the estimate ends. Dynamo keeps the globals of code it compiled (its
+        cleanup hooks hold them while it keeps the code), and with them the model: every compile=True estimate
+        left its fake model alive before."""
+        self._scope.pop("_inner", None)
 
 
 @contextlib.contextmanager

@@ -334,6 +334,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 target_rules.enter_context(dynamo_shapes_left_as_found())
                 target_rules.enter_context(quiet_about_hooks())
                 network = compile_for_estimate(network, notes)
+                target_rules.callback(network.release)
             managed = prepare_low_bit(opt, network, fake_mode, whole.tracker, notes)
             region = policy.region if policy is not None else torch.autocast
             cache = CacheRecord()
