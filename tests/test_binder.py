@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.heavy]  # NBMEM_HEAVY=1 runs it (tes
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted(path.name for path in (REPO / "notebooks").glob("*.ipynb"))
+# the environment takes 5.7 GB; pip unpacks each CUDA wheel beside it first
+_NEEDS_BYTES = 9 * 10**9
 _IGNORED = shutil.ignore_patterns(".git", ".venv*", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache")
 
 # NBMEM_EXECUTED_NOTEBOOKS (.ci/run sets it): a folder that keeps each executed notebook, outputs and all, for the
@@ -92,6 +94,21 @@ def _cpu_index_reachable() -> bool:
 def binder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A copy of the repository, installed the way mybinder.org installs it into a fresh environment."""
     root = tmp_path_factory.mktemp("binder")
+    free = shutil.disk_usage(root).free
+    if free < _NEEDS_BYTES:  # pip fails half-way with "No space left on device", and every later test that writes fails too
+        pytest.fail(
+            f"Binder's environment needs about {_NEEDS_BYTES / 1e9:.0f} GB free in {root.parent} and there are "
+            f"{free / 1e9:.1f} GB: free some (old virtual environments, earlier runs' pytest-of-* folders) or point "
+            "TMPDIR to a larger disk"
+        )
+    try:
+        yield _install(root)
+    finally:  # an install that failed half-way leaves gigabytes too
+        # pytest keeps the last three runs' temporary folders: without this, three environments of 5.7 GB each
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _install(root: Path) -> dict[str, Any]:
     checkout = root / "repository"
     shutil.copytree(REPO, checkout, ignore=_IGNORED)
     env_dir = root / "env"
@@ -108,9 +125,7 @@ def binder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     _run(["python", "-m", "pip", "install", "--quiet", "-r", "binder/requirements.txt"], checkout, environment, 1200)
     _run(["bash", "binder/postBuild"], checkout, environment, 1200)
     print(f"\nbinder environment installed in {time.perf_counter() - started:.0f} s")
-    yield {"checkout": checkout, "env": env_dir, "environment": environment, "root": root}
-    # pytest keeps the last three runs' temporary folders: without this, three environments of 5.7 GB each
-    shutil.rmtree(root, ignore_errors=True)
+    return {"checkout": checkout, "env": env_dir, "environment": environment, "root": root}
 
 
 def test_the_binder_environment_has_the_pinned_torch_pair_and_nbmem(binder: dict) -> None:
