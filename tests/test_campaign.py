@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -10,21 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Iterator
 
 import pytest
 import torch
+
+from _benchmarks import benchmark
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_campaign.py"
 MiB = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def campaign() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_campaign", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def campaign() -> Iterator[ModuleType]:
+    with benchmark("gpu_campaign") as module:
+        yield module
 
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal, which needs a machine without CUDA")
@@ -125,12 +124,9 @@ def test_the_tables_and_files_it_writes(campaign: ModuleType, tmp_path: Path) ->
 
 
 @pytest.fixture(scope="module")
-def misses() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_probes_misses", SCRIPT.parent / "gpu_probes_misses.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def misses() -> Iterator[ModuleType]:
+    with benchmark("gpu_probes_misses") as module:
+        yield module
 
 
 @needs_no_cuda
@@ -176,9 +172,6 @@ def test_the_gpu_sessions_script_names_files_that_exist_and_is_valid_bash() -> N
     assert all((SCRIPT.parent.parent / path).is_file() for path in named), named
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     # the sections it asks of the probes are ones they have
-    spec = importlib.util.spec_from_file_location("gpu_probes", SCRIPT.parent / "gpu_probes.py")
-    assert spec is not None and spec.loader is not None
-    probes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probes)
-    sections = re.findall(r"gpu_probes\.py .*--sections ([\w,-]+)", text)
-    assert sections and set(sections[0].split(",")) <= set(probes.SECTIONS)
+    with benchmark("gpu_probes") as probes:
+        sections = re.findall(r"gpu_probes\.py .*--sections ([\w,-]+)", text)
+        assert sections and set(sections[0].split(",")) <= set(probes.SECTIONS)
