@@ -97,7 +97,51 @@ def test_exact_parameters_and_state_for_an_mlp():
     parameters = 256 * 512 * 4 + 512 * 4 + 512 * 10 * 4 + 512  # 10 float32 biases -> one 512 B block
     assert result.parameters == 256 * 512 + 512 + 512 * 10 + 10
     assert result.breakdown.category("parameter") == parameters
-    assert dict(result.breakdown.after)["optimizer state"] == 2 * parameters + 4 * 512
+    # exp_avg and exp_avg_sq; AdamW's 4 step counters are CPU tensors on a GPU (torch.tensor(0.0)), not counted
+    assert dict(result.breakdown.after)["optimizer state"] == 2 * parameters
+    assert any("AdamW's step counters" in note for note in result.notes)
+
+
+@pytest.mark.parametrize("mode", ["estimated", "tracked"])
+def test_step_counters_are_device_memory_only_where_the_gpu_makes_them_there(mode):
+    # fused (and capturable) groups make each counter with torch.zeros((), device=p.device): 512 B each, counted
+    parameters = 256 * 512 * 4 + 512 * 4 + 512 * 10 * 4 + 512
+    fused = estimate(mlp, FAMILIES["mlp"][1], batch_size=32, optimizer="adamw-fused", mode=mode)
+    assert dict(fused.breakdown.after)["optimizer state"] == 2 * parameters + 4 * 512
+    assert not any("step counters" in note for note in fused.notes)
+    # Adagrad makes its counters (and its sums) in its constructor: the counters are host memory there too
+    adagrad = estimate(mlp, FAMILIES["mlp"][1], batch_size=32, optimizer="adagrad", mode=mode)
+    assert dict(adagrad.breakdown.after)["optimizer state"] == parameters
+    # SGD with momentum keeps no counter, and says nothing of them
+    momentum = estimate(mlp, FAMILIES["mlp"][1], batch_size=32, optimizer="sgd-momentum", mode=mode)
+    assert dict(momentum.breakdown.after)["optimizer state"] == parameters
+    assert not any("step counters" in note for note in momentum.notes)
+
+
+def test_an_estimate_leaves_no_optimizer_hook_behind():
+    import torch.optim.optimizer as optimizer_module
+
+    hooks = dict(optimizer_module._global_optimizer_pre_hooks)
+    outside = nn.Parameter(torch.ones(4))
+    kept = torch.optim.AdamW([outside])  # made before the estimate, stepped in its step
+
+    def step(model, batch, optimizer):
+        nn.functional.mse_loss(model(batch[0]), torch.zeros(len(batch[0]), 10)).backward()
+        outside.grad = torch.ones(4)
+        kept.step()
+
+    result = estimate(mlp, FAMILIES["mlp"][1], batch_size=4, optimizer=None, step=step, mode="tracked")
+    assert any("AdamW's step counters" in note for note in result.notes)  # the user's own optimizer was seen
+    assert float(kept.state[outside]["step"]) == 2.0 and "_init_group" not in vars(kept)
+    assert dict(optimizer_module._global_optimizer_pre_hooks) == hooks
+
+    def failing(model, batch, optimizer):
+        kept.step()
+        raise RuntimeError("the user's step failed")
+
+    with pytest.raises(RuntimeError, match="the user's step failed"):
+        estimate(mlp, FAMILIES["mlp"][1], batch_size=4, optimizer=None, step=failing, mode="tracked")
+    assert dict(optimizer_module._global_optimizer_pre_hooks) == hooks and "_init_group" not in vars(kept)
 
 
 def test_knobs_move_memory_the_right_way():

@@ -16,17 +16,14 @@ preset (``benchmarks/bench_campaign_replay.py`` prints the same table), and:
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 import statistics
-import sys
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
+from _benchmarks import benchmark
 from _zoo import need
 from nbmem.estimation.estimate import estimate
 from nbmem.estimation.workspaces import CONV_NOTE, RNN_NOTE
@@ -37,25 +34,11 @@ MiB = 1 << 20
 CUDNN = ("lstm", "cnn (conv+BN blocks)")
 
 
-@contextlib.contextmanager
-def _benchmark(name: str) -> Iterator[ModuleType]:
-    """benchmarks/``name``.py as a module, with its folder on the path while used (its imports run late)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
 @pytest.fixture(scope="module")
 def replayed() -> list[dict[str, Any]]:
     need("transformers", env="NBMEM_REQUIRE_ZOO")
     rows = json.loads(CAMPAIGN.read_text())["sections"]["zoo"]["rows"]
-    with _benchmark("gpu_campaign") as campaign:  # the zoo's plain models live in bench_accuracy, beside it
+    with benchmark("gpu_campaign") as campaign:  # the zoo's plain models live in bench_accuracy, beside it
         zoo = campaign._zoo()
         out = []
         for row in rows:
@@ -91,6 +74,20 @@ def test_where_pytorchs_kernels_run_estimates_meet_issue_24s_targets(replayed: l
     assert not any(note in (RNN_NOTE, CONV_NOTE) for row in plain for note in row["notes"])
 
 
+def test_adamws_steps_on_plain_layers_are_the_h100s_to_the_byte(replayed: list[dict[str, Any]]) -> None:
+    """The MLP's and the transformer encoder's AdamW steps: what the H100's allocator allocated, to the byte.
+
+    Before AdamW's step counters were left on the host (CPU tensors on a GPU:
+    nbmem.estimation.optimizers.HostStepCounters), these four estimates were
+    8,192 B (the MLP's 16 parameter tensors) and 26,112 B (the encoder's 51)
+    above the H100's; the SGD steps of the same models already matched."""
+    exact = [row for row in replayed if row["optimizer"] == "adamw"
+             and row["model"] in ("mlp (residual blocks)", "transformer encoder")]
+    assert len(exact) == 4
+    assert [row["today"] - row["measured"] for row in exact] == [0, 0, 0, 0]
+    assert {row["estimated"] - row["measured"] for row in exact} == {8192, 26112}  # the campaign's own estimates
+
+
 def test_where_cudnn_runs_the_estimate_says_so_with_the_measured_gap(replayed: list[dict[str, Any]]) -> None:
     lstm = [row for row in replayed if row["model"] == "lstm"]
     cnn = [row for row in replayed if row["model"] == CUDNN[1]]
@@ -122,7 +119,7 @@ def test_compile_estimates_meet_what_the_h100_measured_of_the_same_compiled_step
     """compile=True plans with inductor's CPU code; the H100 ran Triton's. The same steps, estimated here
     (benchmarks/bench_compiled_replay.py), against the allocator's peaks there (probes-run5-nbmem-compiled.json)."""
     need("transformers", env="NBMEM_REQUIRE_ZOO")
-    with _benchmark("bench_compiled_replay") as replay:
+    with benchmark("bench_compiled_replay") as replay:
         truth = replay.measured()
         assert truth == {"cnn": {"compiled": 945_219_584, "eager": 1_476_410_880},
                          "gpt": {"compiled": 457_035_776, "eager": 722_881_536}}

@@ -84,8 +84,8 @@ def test_frozen_backbone_counts_gradients_and_state_of_the_head_only():
         categories = dict(result.breakdown.at_peak)
         # the peak is in Adam's update, every gradient alive: the head's only
         assert categories["gradient"] == head_bytes
-        # exp_avg and exp_avg_sq per trainable parameter, and a 4-byte step counter each (512 B)
-        assert categories["optimizer state"] == 2 * head_bytes + 2 * 512
+        # exp_avg and exp_avg_sq per trainable parameter (Adam's step counters are CPU tensors on a GPU)
+        assert categories["optimizer state"] == 2 * head_bytes
         # the frozen backbone is only a parameter: 1024 * 1024 * 4 + 4096 B
         assert categories["parameter"] == 1024 * 1024 * 4 + 4096 + head_bytes
 

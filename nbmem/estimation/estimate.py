@@ -38,7 +38,8 @@ from .building import (
     without_onednn,
 )
 from .low_bit import TORCHAO_OPTIM, prepare_low_bit
-from .optimizers import in_backward, library_optimizer, optimizer_factory, target_optimizer_kwargs
+from .optimizers import (HostStepCounters, in_backward, library_optimizer, optimizer_factory,
+                         target_optimizer_kwargs)
 from .workspaces import WithWorkspaces, cudnn_notes, workspaces_for
 from .parallel import fsdp_family, fsdp_units, host_figures, host_note, offload_to_host, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
@@ -353,6 +354,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 scaler = AlwaysSteppingScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
                                              run_on, fake_mode is not None, autocast_region=region)
+            if mode != "measured" and not plan.cpu_offload:  # offloaded: the whole step is on the host already
+                # every optimizer the step runs, nbmem's or the user's (a Lightning module's, a step's own)
+                target_rules.enter_context(HostStepCounters(whole.tracker, notes))
             peaks, reserved, breakdowns = [], [], []
             if feed is not None:  # the first matmuls of the first step make them
                 feed.add(workspaces)

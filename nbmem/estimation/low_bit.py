@@ -174,7 +174,7 @@ def _paged_buffer(managed: ManagedMemory, tracker: Any, parameter: torch.Tensor,
     with _disable_current_modes():  # made without an op: the tracker never sees it born
         elem = torch.empty(parameter.shape, dtype=dtype, device="meta")
     buffer = FakeTensor(parameter.fake_mode, elem, parameter.device)  # type: ignore[attr-defined]
-    tracker.outside[buffer.untyped_storage()._cdata] = buffer
+    tracker.keep_outside(buffer)
     managed.buffers.append(buffer)
     managed.bytes += buffer.numel() * buffer.element_size()
     return buffer

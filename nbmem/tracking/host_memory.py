@@ -4,14 +4,18 @@ An estimate runs every tensor on the CPU (fake tensors say "cpu"), so where a
 real run would move memory to the host, the estimate says so to its tracker:
 FSDP's CPU offload keeps the sharded parameters, their gradients and the
 optimizer's step and state there (:func:`nbmem.estimation.parallel.offload_to_host`).
-Such storages go into the tracker's ``outside`` table (which holds them, so
-their keys are never reused while they are listed), beside paged optimizer
-state in CUDA managed memory (:mod:`nbmem.estimation.low_bit`).
+Such storages go into the tracker's ``outside`` table, beside paged optimizer
+state in CUDA managed memory (:mod:`nbmem.estimation.low_bit`), and an
+optimizer's step counters (:class:`nbmem.estimation.optimizers.HostStepCounters`).
+The table holds each weakly, and forgets it when it dies, so that a new
+storage given the same key is counted: a tracker kept by a result (an
+estimate's) keeps none of them alive.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
@@ -24,7 +28,7 @@ __all__ = ["HostMemory"]
 class HostMemory:
     """The host-memory part of a :class:`~nbmem.tracking.tracker.Tracker` (a mixin: it uses the tracker's tables)."""
 
-    outside: dict[int, torch.Tensor]
+    outside: dict[int, weakref.ref[Any]]
     _on_host: int
     _refs: dict[int, Any]
 
@@ -47,7 +51,31 @@ class HostMemory:
             ref = self._refs.get(key)
             if ref is not None:
                 self._release(key, ref)
-            self.outside[key] = part
+            self.keep_outside(part)
+
+    def keep_outside(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is not the device allocator's: never counted, for as long as it lives.
+
+        >>> from nbmem.tracking.tracker import Tracker
+        >>> tracker = Tracker("cpu")
+        >>> paged = torch.ones(256)
+        >>> tracker.keep_outside(paged)
+        >>> with tracker:
+        ...     doubled = paged.mul_(2)          # in place: still outside
+        >>> tracker.allocated(), len(tracker.outside)
+        (0, 1)
+        >>> del paged, doubled
+        >>> len(tracker.outside)                  # forgotten with it: its key may be a new storage's
+        0
+        """
+        storage = tensor.untyped_storage()
+        key, outside = storage._cdata, self.outside
+
+        def forget(ref: weakref.ref[Any]) -> None:
+            if outside.get(key) is ref:
+                del outside[key]
+
+        outside[key] = weakref.ref(storage, forget)
 
     @contextlib.contextmanager
     def on_host(self) -> Iterator[None]:

@@ -93,9 +93,9 @@ class Tracker(Activation, HostMemory):
         self.adopt_unseen = True
         #: Count fake tensors (an estimate's tracker); a tracker of real memory ignores them.
         self.fake = False
-        #: Storages outside the device's allocator, never counted, by key, each held here: an estimate's paged
-        #: optimizer state (CUDA managed memory: nbmem.estimation.low_bit), what FSDP's CPU offload keeps on the host.
-        self.outside: dict[int, torch.Tensor] = {}
+        #: Storages outside the device's allocator, never counted, by key (held weakly: nbmem.tracking.host_memory):
+        #: an estimate's paged optimizer state, what FSDP's CPU offload keeps on the host, step counters.
+        self.outside: dict[int, weakref.ref[Any]] = {}
         self._on_host = 0  # inside on_host(): new storages are host memory
         #: Whether a scope's baseline is every storage alive on the device (a
         #: default tracker: as a GPU counts, issue 12) or only what its ops touch
@@ -461,7 +461,7 @@ class Tracker(Activation, HostMemory):
                 self._count(part, adopt)
             return
         if self._on_host:
-            self.outside[storage._cdata] = tensor
+            self.keep_outside(tensor)
             return
         if adopt and not self.adopt_unseen:
             return

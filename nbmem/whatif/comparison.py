@@ -66,9 +66,9 @@ class Comparison:
     optimizer  peak
     ---------  ----
     sgd        7
-    adamw      11
+    adamw      10
     >>> [row.peak for row in table]
-    [7168, 11264]
+    [7168, 10240]
     """
 
     def __init__(self, rows: list[SweepRow], axes: tuple[str, ...], mode: str, capacity: int | None, label: str,
