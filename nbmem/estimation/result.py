@@ -22,7 +22,7 @@ from .tasks import task_lines
 from .userstep import BUILT_IN
 from .workspaces import Workspaces
 
-__all__ = ["Estimate", "OVERHEADS"]
+__all__ = ["Estimate", "OVERHEADS", "overheads_with"]
 
 #: Memory outside PyTorch's tensors, listed beside an estimate and never added
 #: to it: (what, bytes, why). DESIGN.md; c10/cuda/CUDACachingAllocator.cpp.
@@ -30,6 +30,17 @@ OVERHEADS = (
     ("CUDA context", 512 * 1024**2, "300-700 MiB per process depending on GPU and CUDA version; outside PyTorch's allocator"),
     ("cuBLAS workspace", 8 * 1024**2, "per cuBLAS handle through the caching allocator; 32 MiB on Hopper (H100, H200)"),
 )
+
+
+def overheads_with(workspaces: Workspaces) -> tuple[tuple[str, int, str], ...]:
+    """:data:`OVERHEADS`, with the cuBLAS workspaces an estimate simulated (shown in its "with workspaces" line).
+
+    >>> overheads_with(Workspaces(2, 8 * 1024**2, "two threads"))[1]
+    ('cuBLAS workspace', 16777216, "2 of 8.00 MiB; in 'with workspaces' above")
+    """
+    cublas = ("cuBLAS workspace", workspaces.total,
+              f"{workspaces.count} of {format_bytes(workspaces.each)}; in 'with workspaces' above")
+    return tuple(cublas if name == cublas[0] else (name, size, why) for name, size, why in OVERHEADS)
 
 
 @dataclass(frozen=True)
@@ -200,9 +211,6 @@ class Estimate:
         lines += [f"  {name:<15}  {text}" for name, text in self.breakdown.rows()]
         lines += [f"  {name:<15}  {text}" for name, text in (self.trained.rows(self.mode) if self.trained else [])]
         for name, size, why in self.overheads:
-            if name == "cuBLAS workspace" and self.workspaces is not None and self.reserved_with_workspaces is not None:
-                size, why = self.workspaces.total, (f"{self.workspaces.count} of {format_bytes(self.workspaces.each)}; in "
-                                                    "'with workspaces' above")
             lines.append(f"  not included: {name} about {format_bytes(size)} ({why})")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
