@@ -273,8 +273,9 @@ def _init_group_on_host(counters: weakref.ref[HostStepCounters], owner: weakref.
     # both held weakly: optimizer -> this -> the optimizer would be a cycle, kept until a collection
     optimizer, hosting = owner(), counters()
     assert optimizer is not None, "the estimate's optimizer was let go before its step"
-    if hosting is None:  # the estimate is over
-        return init(optimizer, *args, **kwargs)
+    group = args[0] if args else kwargs.get("group")
+    if hosting is None or (isinstance(group, dict) and all(optimizer.state.get(p) for p in group["params"])):
+        return init(optimizer, *args, **kwargs)  # the estimate is over, or every state (counters too) exists already
     with _HostScalars(hosting) as making:
         result = init(optimizer, *args, **kwargs)
     if making.made:
