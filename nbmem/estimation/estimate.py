@@ -47,7 +47,7 @@ from .compiled_plan import (PLAN_NOTE, UNPLANNED_NOTE, compile_for_estimate, dyn
                             missing_internals, planned_inductor, quiet_about_hooks)
 from .quantized_kernels import QuantizedKernels
 from .quantized_layers import follow_cuda
-from .result import OVERHEADS, Estimate, overheads_with
+from .result import Estimate
 from .plan import MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
@@ -472,7 +472,6 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         reserve_failed=None if feed is None else feed.tensors.overflow,
         reserved_with_workspaces=None if feed is None else feed.whole.peak_reserved,
         workspaces=workspaces,
-        overheads=OVERHEADS if feed is None else overheads_with(workspaces),  # the simulated ones, where simulated
         capacity=capacity,
         capacity_label=label or "",
         mode=mode,

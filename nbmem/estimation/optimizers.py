@@ -221,7 +221,7 @@ class HostStepCounters:
         self.tracker, self.notes = tracker, notes
         self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
         self._handle: Any = None
-        self._thread = threading.get_ident()
+        self._thread: int | None = None  # the thread that entered: the estimate's
 
     def __enter__(self) -> HostStepCounters:
         self._thread = threading.get_ident()

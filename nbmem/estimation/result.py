@@ -22,25 +22,15 @@ from .tasks import task_lines
 from .userstep import BUILT_IN
 from .workspaces import Workspaces
 
-__all__ = ["Estimate", "OVERHEADS", "overheads_with"]
+__all__ = ["Estimate", "OVERHEADS"]
 
 #: Memory outside PyTorch's tensors, listed beside an estimate and never added
 #: to it: (what, bytes, why). DESIGN.md; c10/cuda/CUDACachingAllocator.cpp.
-OVERHEADS = (
-    ("CUDA context", 512 * 1024**2, "300-700 MiB per process depending on GPU and CUDA version; outside PyTorch's allocator"),
-    ("cuBLAS workspace", 8 * 1024**2, "per cuBLAS handle through the caching allocator; 32 MiB on Hopper (H100, H200)"),
-)
-
-
-def overheads_with(workspaces: Workspaces) -> tuple[tuple[str, int, str], ...]:
-    """:data:`OVERHEADS`, with the cuBLAS workspaces an estimate simulated (shown in its "with workspaces" line).
-
-    >>> overheads_with(Workspaces(2, 8 * 1024**2, "two threads"))[1]
-    ('cuBLAS workspace', 16777216, "2 of 8.00 MiB; in 'with workspaces' above")
-    """
-    cublas = ("cuBLAS workspace", workspaces.total,
-              f"{workspaces.count} of {format_bytes(workspaces.each)}; in 'with workspaces' above")
-    return tuple(cublas if name == cublas[0] else (name, size, why) for name, size, why in OVERHEADS)
+CUDA_CONTEXT = ("CUDA context", 512 * 1024**2,
+                "300-700 MiB per process depending on GPU and CUDA version; outside PyTorch's allocator")
+CUBLAS_WORKSPACE = ("cuBLAS workspace", 8 * 1024**2,
+                    "per cuBLAS handle through the caching allocator; 32 MiB on Hopper (H100, H200)")
+OVERHEADS = (CUDA_CONTEXT, CUBLAS_WORKSPACE)
 
 
 @dataclass(frozen=True)
@@ -97,7 +87,6 @@ class Estimate:
     step: str = BUILT_IN
     #: With trainable=: what trained and its own bytes (nbmem.estimation.finetune.Trained); None: the model as it came.
     trained: Trained | None = None
-    overheads: tuple[tuple[str, int, str], ...] = OVERHEADS
     #: What ran (nbmem.estimation.tasks): "train", "inference" or "generate"; the context length and tokens generated.
     task: str = "train"
     prompt_length: int | None = None
@@ -132,6 +121,25 @@ class Estimate:
         source = {"mode": self.mode, "device": self.device, "label": self.plan.describe() if self.plan else ""}
         settings = self.plan.allocator if self.plan is not None else None
         write_snapshot(snapshot_of(self.timeline.events, 0, source, settings), path)
+
+    @property
+    def overheads(self) -> tuple[tuple[str, int, str], ...]:
+        """Memory outside the figures, listed and never added: (what, bytes, why).
+
+        :data:`OVERHEADS`; where the estimate simulated the cuBLAS workspaces
+        (its ``with workspaces`` line), their row gives those instead.
+
+        >>> from nbmem.estimation.estimate import estimate
+        >>> result = estimate(lambda: nn.Linear(256, 256), lambda n: torch.randn(n, 256), batch_size=32,
+        ...                   optimizer="sgd", device="H100-80GB")
+        >>> result.overheads[1]   # forward's thread and backward's: a handle and its workspace each
+        ('cuBLAS workspace', 67108864, "2 of 32.0 MiB; in 'with workspaces' above")
+        """
+        if self.reserved_with_workspaces is None or self.workspaces is None:
+            return OVERHEADS
+        workspaces = self.workspaces
+        return (CUDA_CONTEXT, (CUBLAS_WORKSPACE[0], workspaces.total,
+                               f"{workspaces.count} of {format_bytes(workspaces.each)}; in 'with workspaces' above"))
 
     @property
     def peak(self) -> int:
