@@ -41,11 +41,11 @@ def test_mlp_with_adam_parameters_gradients_and_state_exact():
     at_peak = dict(result.breakdown.at_peak)
     assert at_peak["parameter"] == MLP_PARAMETERS
     assert at_peak["gradient"] == MLP_PARAMETERS
-    # exp_avg and exp_avg_sq per parameter + one float32 step counter each (4 x 512 B)
-    assert at_peak["optimizer state"] == 2 * MLP_PARAMETERS + 4 * 512
+    # exp_avg and exp_avg_sq per parameter; the 4 step counters are CPU tensors on a GPU, outside the figures
+    assert at_peak["optimizer state"] == 2 * MLP_PARAMETERS
     assert sum(at_peak.values()) == result.peak_allocated
     after = dict(result.breakdown.after)
-    assert (after["gradient"], after["optimizer state"]) == (0, 2 * MLP_PARAMETERS + 4 * 512)
+    assert (after["gradient"], after["optimizer state"]) == (0, 2 * MLP_PARAMETERS)
     assert sum(after.values()) == result.allocated_after
     assert result.breakdown.category("parameter") == MLP_PARAMETERS
 

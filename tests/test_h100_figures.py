@@ -78,7 +78,7 @@ def test_adamws_steps_on_plain_layers_are_the_h100s_to_the_byte(replayed: list[d
     """The MLP's and the transformer encoder's AdamW steps: what the H100's allocator allocated, to the byte.
 
     Before AdamW's step counters were left on the host (CPU tensors on a GPU:
-    nbmem.estimation.optimizers.HostStepCounters), these four estimates were
+    nbmem.tracking.host_counters.HostStepCounters), these four estimates were
     8,192 B (the MLP's 16 parameter tensors) and 26,112 B (the encoder's 51)
     above the H100's; the SGD steps of the same models already matched."""
     exact = [row for row in replayed if row["optimizer"] == "adamw"

@@ -36,14 +36,15 @@ TORCH = os.path.dirname(torch.__file__) + os.sep
 MiB = 1024**2
 
 
-def really_alive(model: nn.Module, address: Callable[[int], int]) -> dict[int, tuple[int, int]]:
+def really_alive(model: nn.Module, address: Callable[[int], int], host: Any = ()) -> dict[int, tuple[int, int]]:
     """Every CPU storage alive now, by key: (``address(key)``, bytes rounded to 512 B as the tracker rounds).
 
     Python's objects (gc.get_objects: a tensor in garbage not yet collected is
     alive too, and counted by both) plus the parameters' gradients, which
     autograd makes in C++ (no Python object until asked for). Storages held
     only by C++ are not here: the callers let go of all of them first
-    (:func:`let_go`).
+    (:func:`let_go`). Nor are those in ``host`` (the tracker's ``outside``
+    table: AdamW's step counters, CPU tensors on a GPU; nbmem.tracking.host_counters).
     """
     alive: dict[int, tuple[int, int]] = {}
     tensors = [obj for obj in gc.get_objects() if type(obj) in (torch.Tensor, nn.Parameter)]
@@ -54,7 +55,7 @@ def really_alive(model: nn.Module, address: Callable[[int], int]) -> dict[int, t
         storage = tensor.untyped_storage()
         if storage.device.type != "cpu" or not storage.nbytes():
             continue
-        if storage.resizable() or storage.is_shared():  # from_blob memory (NumPy's) is no allocator's
+        if (storage.resizable() or storage.is_shared()) and storage._cdata not in host:  # from_blob memory: no allocator's
             alive[storage._cdata] = (address(storage._cdata), -(-storage.nbytes() // 512) * 512)
     return alive
 
@@ -76,7 +77,7 @@ def assert_accounts_are_the_truth(tracker: Any, model: nn.Module, where: object)
     let_go()
     native = tracker is not default_tracker("cpu")
     # the native engine's own reading of a storage's address: data_ptr() would materialize a lazy clone
-    alive = really_alive(model, tracker._lib.nbmem_storage_address if native else int)
+    alive = really_alive(model, tracker._lib.nbmem_storage_address if native else int, tracker.outside)
     if not native:
         tracker.drain()
         counted = {key: record.size for key, record in tracker._storages.items() if record.size}

@@ -98,11 +98,16 @@ def assert_consistent(tracker: Any) -> None:
 
 
 def live_cpu_bytes() -> int:
-    """An oracle for the baseline: every CPU storage a Python tensor holds, rounded to 512 B, counted once."""
-    sizes = {}
+    """An oracle for the baseline: every CPU storage a Python tensor holds, rounded to 512 B, counted once.
+
+    Not the storages the tracker keeps as host memory (AdamW's step counters, CPU tensors on a GPU:
+    nbmem.tracking.host_counters)."""
+    sizes, host = {}, default_tracker("cpu").outside
     for obj in gc.get_objects():
         if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu" and obj.layout is torch.strided:
             storage = obj.untyped_storage()
+            if storage._cdata in host:
+                continue
             if storage.resizable() or storage.is_shared():  # from_blob memory (NumPy's) is no allocator's; shared is counted
                 sizes[storage._cdata] = -(-storage.nbytes() // 512) * 512
     return sum(sizes.values())

@@ -168,8 +168,8 @@ def test_categories_after_a_step_are_the_parameters_and_optimizer_state():
         optimizer.step()
     after = dict(scope.result.breakdown.after)
     grown = {name: after[name] - before[name] for name in after}
-    # AdamW's two moments of the weight and the bias, and a step count each (a 4-byte scalar: 512 B)
-    assert grown["optimizer state"] == 2 * (MiB + 1024) + 2 * 512
+    # AdamW's two moments of the weight and the bias; its step counts are CPU tensors on a GPU, outside the figures
+    assert grown["optimizer state"] == 2 * (MiB + 1024)
     assert grown["gradient"] == MiB + 1024
     assert after["parameter"] >= MiB + 1024
 

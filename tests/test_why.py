@@ -80,7 +80,8 @@ def test_virtual_out_of_memory_diagnosis_free_and_the_fix(shell):
     # batch (AdamW's state alone is 64 MiB), which the forward-time diagnosis said it could not see
     result, captured = run(shell, "%%gpumem --text\ntrain(2048)")
     assert result.success, result.error_in_exec
-    assert dict(nbmem.history(shell)[-1].breakdown.at_peak)["optimizer state"] == 2 * (32 * MiB + 20480) + 4 * 512
+    # AdamW's two moments of each parameter; its 4 step counters are CPU tensors on a GPU, outside the figures
+    assert dict(nbmem.history(shell)[-1].breakdown.at_peak)["optimizer state"] == 2 * (32 * MiB + 20480)
     assert _get_current_dispatch_mode() is None and default_tracker("cpu").capacity is None
 
 

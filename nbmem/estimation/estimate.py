@@ -38,7 +38,7 @@ from .building import (
     without_onednn,
 )
 from .low_bit import TORCHAO_OPTIM, prepare_low_bit
-from .optimizers import (HostStepCounters, in_backward, library_optimizer, optimizer_factory,
+from .optimizers import (in_backward, library_optimizer, optimizer_factory,
                          target_optimizer_kwargs)
 from .workspaces import WithWorkspaces, cudnn_notes, workspaces_for
 from .parallel import fsdp_family, fsdp_units, host_figures, host_note, offload_to_host, parallelize, process_group
@@ -53,6 +53,7 @@ from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
 from ..core.results import allocator_of
 from ..tracking.accelerators import device_counter
+from ..tracking.host_counters import HostStepCounters
 from ..tracking.live import older_objects_unscanned
 from ..tracking.scope import MemoryScope, tracker_alongside_note
 from .step import run_step
@@ -355,7 +356,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
                                              run_on, fake_mode is not None, autocast_region=region)
             if mode != "measured" and not plan.cpu_offload:  # offloaded: the whole step is on the host already
-                # every optimizer the step runs, nbmem's or the user's (a Lightning module's, a step's own)
+                # every optimizer the step runs, nbmem's or the user's (a Lightning module's, a step's own); the
+                # tracked scope enters one for the same tracker (nbmem.tracking.host_counters): this one gives the note
                 target_rules.enter_context(HostStepCounters(whole.tracker, notes))
             peaks, reserved, breakdowns = [], [], []
             if feed is not None:  # the first matmuls of the first step make them

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import functools
-import threading
 import weakref
 from typing import Any, Callable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
 
 from .low_bit import LOW_BIT, TORCHAO_OPTIM, low_bit_factory, torchao_note
 
 __all__ = ["OPTIMIZERS", "HF_OPTIM", "known_optimizer", "library_optimizer", "optimizer_names", "optimizer_factory",
-           "target_optimizer_kwargs", "OptimizerInBackward", "in_backward", "HostStepCounters"]
+           "target_optimizer_kwargs", "OptimizerInBackward", "in_backward"]
 
 #: Optimizer names and how nbmem builds them (learning rates don't change memory).
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -176,135 +173,3 @@ def _step_in_backward(owner: weakref.ref[OptimizerInBackward], parameter: torch.
 def in_backward(factory: Callable[..., Any]) -> Callable[..., OptimizerInBackward]:
     """``factory``, made to step each parameter inside backward (:class:`OptimizerInBackward`)."""
     return lambda parameters, **options: OptimizerInBackward(parameters, factory, **options)
-
-
-class HostStepCounters:
-    """While entered, torch.optim's optimizers keep their 0-dim step counters in host memory, as on a GPU.
-
-    Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop and
-    Adafactor keep a step count per parameter (NAdam also its ``mu_product``)
-    as a CPU tensor, made by ``torch.tensor(0.0)`` or ``torch.zeros(())``
-    without a device, unless the group is ``fused`` or ``capturable``, where
-    it is made on the parameter's device (torch/optim/adam.py: "Deliberately
-    host `step` on CPU if both capturable and fused are off"). ASGD makes
-    its own on the device. An estimate runs everything on the CPU, so its
-    tracker is told: the 0-dim tensors such an optimizer makes from a number
-    in its ``_init_group`` (where its state is made, in its first step) are
-    host memory, never counted nor seen by the allocator simulation. Those
-    made in a constructor (Adagrad's) leave the figures before its first
-    step (the simulation saw their 512 B blocks, and then saw them freed).
-    Every optimizer the estimate runs is seen, the user's own too (a
-    Lightning module's, a step's): a global step pre-hook finds them. 512 B a
-    parameter tensor, measured on the test device (tests/on_device) and on an
-    H100: a residual MLP's and a transformer encoder's AdamW steps allocated
-    8,192 B and 26,112 B (16 and 51 parameter tensors) less than nbmem then
-    estimated, and now exactly what it estimates (tests/test_h100_figures.py).
-
-    >>> import contextlib
-    >>> from nbmem.tracking.tracker import Tracker
-    >>> def first_step(host):
-    ...     tracker, notes = Tracker("cpu"), []
-    ...     layer = torch.nn.Linear(256, 256)                  # 2 parameter tensors
-    ...     layer(torch.ones(1, 256)).sum().backward()
-    ...     with tracker, (HostStepCounters(tracker, notes) if host else contextlib.nullcontext()):
-    ...         adam = torch.optim.Adam(layer.parameters(), foreach=True)
-    ...         adam.step()
-    ...     return tracker.peak_allocated(), notes
-    >>> (counted, _), (hosted, notes) = first_step(False), first_step(True)
-    >>> counted - hosted                                       # 2 counters of 512 B
-    1024
-    >>> notes[0][:40]
-    "optimizer: Adam's step counters (a 0-dim"
-    """
-
-    def __init__(self, tracker: Any, notes: list[str]) -> None:
-        self.tracker, self.notes = tracker, notes
-        self._seen: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._handle: Any = None
-        self._thread: int | None = None  # the thread that entered: the estimate's
-
-    def __enter__(self) -> HostStepCounters:
-        self._thread = threading.get_ident()
-        self._handle = register_optimizer_step_pre_hook(self._before_step)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._handle.remove()
-        for optimizer in list(self._seen):  # an optimizer that outlives the estimate steps as it did before
-            optimizer.__dict__.pop("_init_group", None)
-
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        # the hook is global: another thread's optimizer (a notebook's training in the background) is not the estimate's
-        if threading.get_ident() != self._thread or optimizer in self._seen or not _counts_on_host(optimizer):
-            return
-        self._seen.add(optimizer)
-        made = [value for state in optimizer.state.values() for value in state.values()
-                if isinstance(value, torch.Tensor) and value.dim() == 0]
-        for counter in made:  # made in its constructor (a user's Adagrad): out of the figures from now on
-            self.tracker.moved_to_host(counter)
-        if made:
-            self.say(optimizer)
-        if hasattr(type(optimizer), "_init_group"):  # where torch.optim's make their state, in the first step
-            optimizer._init_group = functools.partial(
-                _init_group_on_host, weakref.ref(self), weakref.ref(optimizer), type(optimizer)._init_group)
-
-    def say(self, optimizer: Any) -> None:
-        """The estimate's note, once (not once per parameter's optimizer, in backward)."""
-        if not any("step counters" in note for note in self.notes):
-            self.notes.append(f"optimizer: {type(optimizer).__name__}'s step counters (a 0-dim float32 per parameter "
-                              "tensor) are CPU tensors on a GPU (neither fused nor capturable), outside the figures")
-
-
-_ON_DEVICE = ("ASGD",)  # torch.optim's that make their counters on the parameters' device
-
-
-def _counts_on_host(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is one of torch.optim's that keeps its step counters on the host (see above)."""
-    return (
-        isinstance(optimizer, torch.optim.Optimizer)
-        and type(optimizer).__module__.startswith("torch.optim.")
-        and type(optimizer).__name__ not in _ON_DEVICE
-        and not any(group.get("fused") or group.get("capturable") for group in optimizer.param_groups)
-    )
-
-
-def _init_group_on_host(counters: weakref.ref[HostStepCounters], owner: weakref.ref[Any], init: Callable[..., Any],
-                        *args: Any, **kwargs: Any) -> Any:
-    # both held weakly: optimizer -> this -> the optimizer would be a cycle, kept until a collection
-    optimizer, hosting = owner(), counters()
-    assert optimizer is not None, "the estimate's optimizer was let go before its step"
-    group = args[0] if args else kwargs.get("group")
-    if hosting is None or (isinstance(group, dict) and all(optimizer.state.get(p) for p in group["params"])):
-        return init(optimizer, *args, **kwargs)  # the estimate is over, or every state (counters too) exists already
-    with _HostScalars(hosting) as making:
-        result = init(optimizer, *args, **kwargs)
-    if making.made:
-        hosting.say(optimizer)
-    return result
-
-
-class _HostScalars(TorchFunctionMode):
-    """Inside: a 0-dim tensor made from a number (``torch.tensor(0.0)``, ``torch.zeros(())``) is host memory."""
-
-    def __init__(self, counters: HostStepCounters) -> None:
-        super().__init__()
-        self.counters = counters
-        self.made = 0
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if not _makes_scalar(func, args, kwargs):
-            return func(*args, **kwargs)
-        self.made += 1
-        with self.counters.tracker.on_host():
-            return func(*args, **kwargs)
-
-
-def _makes_scalar(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
-    if func is torch.tensor:
-        data = args[0] if args else kwargs.get("data")
-        return isinstance(data, (bool, int, float))
-    if func is torch.zeros or func is torch.ones:
-        size = args if args and not isinstance(args[0], (tuple, list, torch.Size)) else (args[0] if args else kwargs.get("size"))
-        return size is not None and len(size) == 0
-    return False

@@ -4,7 +4,8 @@ Nestable peak scopes over a counter (:mod:`.counters`), and the devices'
 own counters, CUDA's and every other accelerator's (:mod:`.accelerators`); the tracked mode's two
 engines, a dispatch mode (:mod:`.tracker`, :mod:`.dispatch`) and the CPU
 allocator wrapped in C++ (:mod:`.native`, :mod:`.native_tracking`, ``_native/``), and
-what a tracker keeps off the device (:mod:`.host_memory`);
+what a tracker keeps off the device (:mod:`.host_memory`), among it an
+optimizer's step counters, host memory on a GPU (:mod:`.host_counters`);
 what they install and how it comes out again (:mod:`.installed`); attribution
 to categories and modules (:mod:`.categories`); the baseline walk of live
 tensors (:mod:`.live`); nestable scopes, the API of ``nbmem.measure`` and

@@ -6,7 +6,7 @@ FSDP's CPU offload keeps the sharded parameters, their gradients and the
 optimizer's step and state there (:func:`nbmem.estimation.parallel.offload_to_host`).
 Such storages go into the tracker's ``outside`` table, beside paged optimizer
 state in CUDA managed memory (:mod:`nbmem.estimation.low_bit`), and an
-optimizer's step counters (:class:`nbmem.estimation.optimizers.HostStepCounters`).
+optimizer's step counters (:class:`nbmem.tracking.host_counters.HostStepCounters`).
 The table holds each weakly, and forgets it when it dies, so that a new
 storage given the same key is counted: a tracker kept by a result (an
 estimate's) keeps none of them alive.
@@ -22,7 +22,7 @@ import torch
 
 from ..core.records import _parts, _wraps
 
-__all__ = ["HostMemory"]
+__all__ = ["HostMemory", "keep_outside"]
 
 
 class HostMemory:
@@ -68,14 +68,7 @@ class HostMemory:
         >>> len(tracker.outside)                  # forgotten with it: its key may be a new storage's
         0
         """
-        storage = tensor.untyped_storage()
-        key, outside = storage._cdata, self.outside
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            if outside.get(key) is ref:
-                del outside[key]
-
-        outside[key] = weakref.ref(storage, forget)
+        keep_outside(self.outside, tensor)
 
     @contextlib.contextmanager
     def on_host(self) -> Iterator[None]:
@@ -93,3 +86,15 @@ class HostMemory:
             yield
         finally:
             self._on_host -= 1
+
+
+def keep_outside(outside: dict[int, weakref.ref[Any]], tensor: torch.Tensor) -> None:
+    """Note ``tensor``'s storage in a tracker's ``outside`` table, held weakly and forgotten when it dies."""
+    storage = tensor.untyped_storage()
+    key = storage._cdata
+
+    def forget(ref: weakref.ref[Any]) -> None:
+        if outside.get(key) is ref:
+            del outside[key]
+
+    outside[key] = weakref.ref(storage, forget)

@@ -228,6 +228,8 @@ def remove_every_tracker() -> int:
     for native in list(_NATIVE):
         native.unregister()  # its allocator, passing allocations through between blocks, goes too
     from .compiled import forget_watches
+    from .host_counters import remove_every
 
     forget_watches()  # the probe that counts compiled calls (nbmem.tracking.compiled)
+    remove_every()  # the optimizer hook of a scope tracked on the CPU (nbmem.tracking.host_counters)
     return len(found)

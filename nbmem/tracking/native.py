@@ -123,6 +123,8 @@ def library() -> ctypes.PyDLL:
         "nbmem_adopt": ((i64, i64, ctypes.c_int, i64), ctypes.c_int),
         "nbmem_release": ((i64, ctypes.py_object), None),
         "nbmem_classify": ((i64, i32, i32), ctypes.c_int),
+        "nbmem_host": ((ctypes.c_int,), None),
+        "nbmem_forget": ((i64,), ctypes.c_int),
         "nbmem_block": ((i64, pointer), ctypes.c_int),
         "nbmem_set_module": ((i32,), None),
         "nbmem_reset_peak": ((), None),

@@ -46,12 +46,13 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import itertools
 import os
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -60,6 +61,7 @@ from .categories import BACKWARD, Attribution, remove_global_hooks
 from .counters import PeakScopes
 from .installed import Activation, forget_native, note_native
 from .dispatch import skip_dynamo
+from .host_memory import keep_outside
 from .live import walk
 from .native import NativeUnavailable, library
 from ..core.records import PeakDetail, StorageRecord, _device_test, _parts, _PLAIN, _wraps
@@ -116,6 +118,8 @@ class NativeTracker(Activation):
         self._row = (ctypes.c_int64 * 4)()  # one block's (size, category, module, born)
         self._lines: NativeLines | None = None  # while a scope wants lines
         self.scopes = PeakScopes(self)
+        #: Storages in host memory (an optimizer's step counters), never counted, by key (held weakly)
+        self.outside: dict[int, weakref.ref[Any]] = {}
 
     # -- installing --------------------------------------------------------
 
@@ -140,6 +144,7 @@ class NativeTracker(Activation):
         registered then, and must still be counted out. :meth:`unregister` removes it.
         """
         self._lib.nbmem_uninstall()
+        self._lib.nbmem_host(0)  # what a Ctrl-C in on_host() may have left on
         lines, self._lines = self._lines, None  # no scope is left to want them
         if lines is not None:
             lines.stop()
@@ -336,7 +341,7 @@ class NativeTracker(Activation):
             return  # memory the allocator never gave (NumPy's, from_blob's; a worker's shared memory counts), or a fake tensor's
         key = storage._cdata
         address, nbytes = self._lib.nbmem_storage_address(key), storage.nbytes()
-        if not address or not nbytes:
+        if not address or not nbytes or key in self.outside:
             return
         known = self._watched.get(key)
         if known is not None and known[2]() is storage:
@@ -354,6 +359,28 @@ class NativeTracker(Activation):
         self._watched[key] = (address, token, watch, False)
         self._lib.nbmem_adopt(address, nbytes, 0 if adopt else 1, token)
         self._watched[key] = (address, token, watch, True)
+
+    # -- host memory (nbmem.tracking.host_counters) ----------------------------
+
+    def keep_outside(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage is host memory: never counted (nor adopted by a walk), for as long as it lives."""
+        keep_outside(self.outside, tensor)
+
+    def moved_to_host(self, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage left the device: its block is no longer counted, nor ever again."""
+        address = self._address(tensor)
+        if address:
+            self._lib.nbmem_forget(address)
+        self.keep_outside(tensor)
+
+    @contextlib.contextmanager
+    def on_host(self) -> Iterator[None]:
+        """This thread's allocations inside are host memory: passed through uncounted (see keep_outside)."""
+        self._lib.nbmem_host(1)
+        try:
+            yield
+        finally:
+            self._lib.nbmem_host(-1)
 
     # -- categories -----------------------------------------------------------
 

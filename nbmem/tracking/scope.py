@@ -20,6 +20,7 @@ import torch
 from . import compiled
 from .accelerators import DeviceCounter, accelerator_type, current_device, device_count, device_counter
 from .counters import OpenScope
+from .host_counters import HostStepCounters
 from .lines import LineCounter, start_lines, stop_lines, usage as line_usage
 from ..core.cudnn import notes_for
 from ..core.results import CATEGORIES, Breakdown, MemoryResult
@@ -199,6 +200,8 @@ class MemoryScope:
         self.compiled_calls: int | None = None
         self._compiled_eagerly = 0  # of them, run eagerly by a dispatch-mode scope (this one or another)
         self._dynamo_before = False
+        # a CPU tracker stands in for a GPU, where torch.optim's step counters are host memory (host_counters.py)
+        self._hosting = HostStepCounters(self._tracker) if self.mode == "tracked" and self.device.type == "cpu" else None
 
     @property
     def running(self) -> bool:
@@ -253,6 +256,8 @@ class MemoryScope:
                     self._saved_capacity = (tracker.capacity, tracker.capacity_label)
                     self._capacity_set = True
                     tracker.capacity, tracker.capacity_label = self.capacity, self.capacity_label
+                if self._hosting is not None:
+                    self._hosting.__enter__()
             self._dynamo_before = "torch._dynamo" in sys.modules
             self._compiled_from = compiled.watch(self, eager=self._runs_a_dispatch_mode())
             self._started = time.perf_counter()
@@ -272,6 +277,8 @@ class MemoryScope:
         """
         tracker, counter = self._tracker, self._counter
         compiled.unwatch(self)
+        if self._hosting is not None:
+            self._hosting.__exit__()  # idempotent
         if open_before is not None:
             counter.scopes.close_above(open_before[0])
         if tracker is not None:
@@ -363,7 +370,7 @@ class MemoryScope:
                 "kernels' scratch included, counted in C++; the op at the peak is not known"
             )
         ran_as, said = self._compiled_figures()
-        notes += said
+        notes += said + (self._hosting.notes if self._hosting is not None else [])
         if self.mode == "tracked" and self.device.type == "cpu":  # PyTorch's CPU kernels ran, not cuDNN's
             notes += notes_for(self._cudnn_ran)
         if isinstance(counter, DeviceCounter):

@@ -38,6 +38,9 @@
 // goes to the line the asking thread is at; on a thread Python never saw (an OpenMP worker's),
 // to the line last charged.
 //
+// Host memory (an optimizer's step counters, CPU tensors on a GPU: nbmem.tracking.host_counters): while a thread
+// says so (nbmem_host), its allocations pass through uncounted; nbmem_forget takes a counted block out.
+//
 // Loaded with ctypes.PyDLL (the GIL is held in every call from Python); plain
 // C entry points. The few Python C API functions used are declared here, not
 // from Python.h, so that building needs no Python development headers.
@@ -366,6 +369,8 @@ c10::Allocator* inner = nullptr;  // the CPU allocator that was registered when 
 c10::DeleterFnPtr inner_deleter = nullptr;  // its deleter for a simple data pointer
 uint8_t inner_priority = 0;  // the priority it was registered with (found when wrapping it)
 std::atomic<bool> counting_on{false};  // a block is tracked: count; else pass allocations through
+// above 0: this thread makes host memory (an optimizer's step counters on a GPU): passed through, never counted
+thread_local int host_depth = 0;
 
 void counted_delete(void* data) {
   {
@@ -379,7 +384,7 @@ void counted_delete(void* data) {
 struct CountingAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DataPtr made = inner->allocate(nbytes);
-    if (!counting_on.load(std::memory_order_relaxed)) return made;
+    if (!counting_on.load(std::memory_order_relaxed) || host_depth > 0) return made;
     void* data = made.get();
     if (data == nullptr || made.get_context() != data || made.get_deleter() != inner_deleter) {
       return made;  // not a simple data pointer of the allocator wrapped: left as it is, uncounted
@@ -533,6 +538,20 @@ void nbmem_release(int64_t token, void* /* the weak reference */) {
   if (--it->second.watchers > 0) return;
   ++accounts.events;
   accounts.remove(it);
+}
+
+// This thread's allocations from now on are host memory (delta 1), or no longer (-1; 0: never, whatever the depth,
+// for an uninstall after Ctrl-C cut an exit short): nbmem.tracking.host_counters.
+void nbmem_host(int delta) { host_depth = delta == 0 ? 0 : std::max(host_depth + delta, 0); }
+
+// The block at `ptr` left the device (moved to host memory): no longer counted, its free ignored. 1 if it was counted.
+int nbmem_forget(int64_t ptr) {
+  std::lock_guard<std::mutex> guard(accounts.mutex);
+  auto it = accounts.live.find(ptr);
+  if (it == accounts.live.end()) return 0;
+  ++accounts.events;
+  accounts.remove(it);
+  return 1;
 }
 
 // Moves the block to a more specific category (and module, unless kKeep); 1 if the block is known.

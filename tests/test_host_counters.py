@@ -1,0 +1,149 @@
+"""A tracked scope on the CPU stands in for a GPU: torch.optim's step counters are host memory there, as on a GPU.
+
+Adam's and AdamW's ``state["step"]`` is a CPU tensor on a GPU unless the group
+is fused or capturable (torch/optim/adam.py); the H100 of 2026-11-25 allocated
+exactly the estimate without them (tests/test_h100_figures.py). These tests
+track the user's own loop, as ``%%gpumem`` and ``nbmem.track()`` do, with both
+engines, and assert the optimizer state's bytes exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.optim.optimizer as optimizer_module
+from torch import nn
+
+import nbmem
+from nbmem.tracking.host_counters import _ENTERED, HostStepCounters
+from nbmem.tracking.native import available as native_available
+
+ENGINES = ["dispatch", pytest.param("native", marks=pytest.mark.skipif(
+    not native_available(), reason="the native engine needs a C++ compiler"))]
+
+#: Two Linear(256, 256) layers: each weight 256 KiB, each bias 1 KiB (two 512 B blocks)
+LAYER = 256 * 256 * 4 + 256 * 4
+PARAMETERS = 2 * LAYER
+TENSORS = 4
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+
+
+def _first_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.ones(8, 256)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _left_nothing(optimizer: torch.optim.Optimizer) -> bool:
+    return not optimizer_module._global_optimizer_pre_hooks and "_init_group" not in vars(optimizer) and not _ENTERED
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_tracked_adamw_step_keeps_exp_avg_and_exp_avg_sq_not_its_counters(engine):
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters())
+    with nbmem.track("cpu", engine=engine) as scope:
+        _first_step(model, adamw)
+    result = scope.result
+    # the gradients were made and dropped in the block; what it kept is the two states of each parameter
+    assert result.retained == 2 * PARAMETERS
+    assert any("AdamW's step counters" in note for note in result.notes)
+    assert float(adamw.state[model[0].weight]["step"]) == 1.0  # the optimizer itself is as it was
+    assert _left_nothing(adamw)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_fused_adam_makes_its_counters_on_the_device_so_they_are_counted(engine):
+    model = _model()
+    fused = torch.optim.Adam(model.parameters(), fused=True)
+    with nbmem.track("cpu", engine=engine) as scope:
+        _first_step(model, fused)
+    assert scope.result.retained == 2 * PARAMETERS + TENSORS * 512
+    assert not any("step counters" in note for note in scope.result.notes)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_later_scope_does_not_adopt_counters_an_earlier_one_kept_out(engine):
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters())
+    with nbmem.track("cpu", engine=engine):
+        _first_step(model, adamw)
+    with nbmem.track("cpu", engine=engine) as later:
+        kept = torch.ones(256)  # 1 KiB
+    # the walk at its start found the parameters and both states alive, and not the 4 counters beside them
+    owned = PARAMETERS + 2 * PARAMETERS
+    if engine == "dispatch":
+        # the shared tracker also holds what earlier tests left alive: compare with a walk of this test's tensors
+        found = sum(later.tracker.record_of(state).size for state in _tensors(model, adamw))
+        assert found == owned and all(later.tracker.record_of(adamw.state[p]["step"]) is None
+                                      for p in model.parameters())
+    else:
+        assert all(later.tracker.record_of(adamw.state[p]["step"]) is None for p in model.parameters())
+        assert sum(later.tracker.record_of(state).size for state in _tensors(model, adamw)) == owned
+    assert later.result.retained == 1024 and kept.numel() == 256
+
+
+def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    states = [value for state in optimizer.state.values() for key, value in state.items() if key != "step"]
+    return [*model.parameters(), *states]
+
+
+def test_adagrad_makes_its_counters_in_its_constructor_and_they_leave_at_its_first_step():
+    model = _model()
+    with nbmem.track("cpu", engine="dispatch") as scope:
+        adagrad = torch.optim.Adagrad(model.parameters())  # state_sum (4 tensors) and the 4 counters, made here
+        _first_step(model, adagrad)
+    assert scope.result.retained == PARAMETERS  # the sums only
+    assert any("Adagrad's step counters" in note for note in scope.result.notes)
+
+
+def test_nested_scopes_and_an_estimate_inside_share_the_patch_and_leave_nothing():
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters())
+    with nbmem.track("cpu") as outer:
+        with nbmem.track("cpu") as inner:
+            _first_step(model, adamw)
+        assert "_init_group" in vars(adamw) and len(_ENTERED) == 1  # the outer scope's is still in
+        estimated = nbmem.estimate(_model, lambda n: torch.ones(n, 256), batch_size=8, optimizer="adamw")
+    assert inner.result.retained == outer.result.retained == 2 * PARAMETERS
+    # the estimate's own: its parameters and AdamW's two states, no counter (8 tensors' worth of blocks)
+    assert dict(estimated.breakdown.after)["optimizer state"] == 2 * PARAMETERS
+    assert _left_nothing(adamw)
+
+
+def test_a_failing_cell_leaves_no_hook_and_an_interrupted_exit_can_be_repeated():
+    model = _model()
+    adamw = torch.optim.AdamW(model.parameters())
+    with pytest.raises(RuntimeError, match="the cell failed"):
+        with nbmem.track("cpu"):
+            _first_step(model, adamw)
+            raise RuntimeError("the cell failed")
+    assert _left_nothing(adamw)
+    counters = HostStepCounters(nbmem.Tracker("cpu"))
+    counters.__enter__()
+    counters.__exit__()
+    counters.__exit__()  # a repeat (an exit Ctrl-C cut short, done again) finds nothing and raises nothing
+    assert not optimizer_module._global_optimizer_pre_hooks and not _ENTERED
+
+
+def test_another_threads_optimizer_is_not_the_scopes():
+    model, other = _model(), _model()
+    adamw, theirs = torch.optim.AdamW(model.parameters()), torch.optim.AdamW(other.parameters())
+    with nbmem.track("cpu", engine="dispatch") as scope:
+        worker = threading.Thread(target=_first_step, args=(other, theirs))
+        worker.start()
+        worker.join()
+        assert "_init_group" not in vars(theirs)  # the hook acts for the scope's thread only
+        _first_step(model, adamw)
+    assert float(theirs.state[other[0].weight]["step"]) == 1.0
+    assert _left_nothing(adamw)
+    # this thread's counters are not the device's; its states are
+    assert all(scope.tracker.record_of(adamw.state[p]["step"]) is None for p in model.parameters())
+    assert sum(scope.tracker.record_of(adamw.state[p][key]).size for p in model.parameters()
+               for key in ("exp_avg", "exp_avg_sq")) == 2 * PARAMETERS
