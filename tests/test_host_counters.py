@@ -10,6 +10,7 @@ engines, and assert the optimizer state's bytes exactly.
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 import nbmem
 from nbmem.tracking.host_counters import _ENTERED, HostStepCounters
 from nbmem.tracking.native import available as native_available
+from test_interrupts import leftovers
 
 ENGINES = ["dispatch", pytest.param("native", marks=pytest.mark.skipif(
     not native_available(), reason="the native engine needs a C++ compiler"))]
@@ -147,3 +149,82 @@ def test_another_threads_optimizer_is_not_the_scopes():
     assert all(scope.tracker.record_of(adamw.state[p]["step"]) is None for p in model.parameters())
     assert sum(scope.tracker.record_of(adamw.state[p][key]).size for p in model.parameters()
                for key in ("exp_avg", "exp_avg_sq")) == 2 * PARAMETERS
+
+
+def test_a_zero_dim_parameters_state_is_device_memory_and_stays_counted():
+    """Only the ``step`` entries (and NAdam's ``mu_product``) are counters: a scalar parameter (CLIP's logit_scale)
+    has 0-dim moments too, and those are the device's."""
+    scale = nn.Parameter(torch.tensor(2.0))
+    adam = torch.optim.Adam([scale])
+    with nbmem.track("cpu") as first:
+        (scale * 3).backward()
+        adam.step()
+    assert first.result.retained == 512 + 2 * 512  # its gradient, exp_avg and exp_avg_sq; the counter left out
+    with nbmem.track("cpu") as second:  # the optimizer seen again by a new block: its state stays where it is
+        adam.step()
+    assert second.result.retained == 0
+    with nbmem.track("cpu") as built_inside:
+        adagrad = torch.optim.Adagrad([scale])  # state_sum and the step, made in its constructor
+        adagrad.step()
+    assert built_inside.result.retained == 512  # the sum, not the counter
+
+
+def _cell(engine: str, model: nn.Module) -> Callable[[], None]:
+    def cell() -> None:
+        optimizer = torch.optim.AdamW(model.parameters())  # a new one each time: its first step makes the counters
+        with nbmem.track("cpu", engine=engine):
+            _first_step(model, optimizer)
+        cell.optimizer = optimizer  # type: ignore[attr-defined]
+
+    return cell
+
+
+def _what_is_left(model: nn.Module, optimizer: Any, engine: str) -> list[str]:
+    from torch.overrides import _get_current_function_mode_stack
+
+    from nbmem.tracking.host_counters import _PATCHED, _HostScalars
+    from nbmem.tracking.tracker import default_tracker
+
+    found = leftovers(model)
+    if any(isinstance(mode, _HostScalars) for mode in _get_current_function_mode_stack()):
+        found.append("a _HostScalars mode")
+    if _ENTERED or list(_PATCHED) or (optimizer is not None and "_init_group" in vars(optimizer)):
+        found.append("a HostStepCounters or its patch")
+    if default_tracker("cpu")._on_host:
+        found.append("the dispatch tracker on the host")
+    if engine == "native":
+        from nbmem.tracking.native_tracking import native_tracker
+
+        native_tracker()._lib.nbmem_install()
+        try:
+            made = torch.ones(256)  # counted unless the thread is left making host memory
+            counted = native_tracker().record_of(made) is not None
+        finally:
+            native_tracker()._lib.nbmem_uninstall()
+        if not counted:
+            found.append("the native engine's thread on the host")
+    return found
+
+
+@pytest.mark.interrupts
+@pytest.mark.parametrize("engine", ENGINES)
+def test_an_interrupt_at_every_line_of_the_host_counters_leaves_nothing(engine):
+    from test_interrupts import _interrupt_at_line, _lines_run
+
+    model = _model()
+    cell = _cell(engine, model)
+    cell()
+    files = ("host_counters.py", "host_memory.py", "native_tracking.py")
+    names = {"on_host", "keep_outside", "moved_to_host"}
+    lines = _lines_run(cell, lambda code: code.co_filename.endswith(files[0]) or (
+        code.co_filename.endswith(files[1:]) and code.co_name in names))
+    assert len(lines) > 40
+    for where in lines:
+        cell.optimizer = None  # type: ignore[attr-defined]
+        _interrupt_at_line(where, cell)
+        left = _what_is_left(model, cell.optimizer, engine)  # type: ignore[attr-defined]
+        assert left == [], f"after an interrupt at {where}: {left}"
+    adamw = torch.optim.AdamW(model.parameters())
+    with nbmem.track("cpu", engine=engine) as scope:  # and the next block is exact, counters left out
+        _first_step(model, adamw)
+    assert scope.result.retained == 2 * PARAMETERS

@@ -69,6 +69,9 @@ NOTE = ("optimizer: {}'s step counters (a 0-dim float32 per parameter tensor) ar
 _ENTERED: list[HostStepCounters] = []
 #: Optimizers whose _init_group is patched (an instance attribute), held weakly.
 _PATCHED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: The state entries of torch.optim's that are step counters (NAdam's mu_product too); a 0-dim parameter's other
+#: state (exp_avg, Adagrad's sum...) is 0-dim as well, and on the device.
+_COUNTERS = ("step", "mu_product")
 
 
 class HostStepCounters:
@@ -97,10 +100,8 @@ class HostStepCounters:
                 hooks.pop(key, None)
         while self in _ENTERED:
             _ENTERED.remove(self)
-        if not _ENTERED:  # the last one: an optimizer that outlives it steps as it did before
-            for optimizer in list(_PATCHED):
-                optimizer.__dict__.pop("_init_group", None)
-                _PATCHED.discard(optimizer)
+        _remove_scalar_modes()  # one a Ctrl-C on the line that leaves it kept on this thread's stack
+        _unpatch()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self._thread or optimizer in self._seen or not _counts_on_host(optimizer):
@@ -108,16 +109,17 @@ class HostStepCounters:
         self._seen.add(optimizer)
         # made in its constructor (a user's Adagrad): out of the figures from now on. Not those alive before the
         # tracker saw them (an optimizer stepped before the block): they are in the block's baseline, and stay
-        made = [value for state in optimizer.state.values() for value in state.values()
-                if isinstance(value, torch.Tensor) and value.dim() == 0 and not _adopted(self.tracker, value)]
+        made = [state[key] for state in optimizer.state.values() for key in _COUNTERS
+                if isinstance(state.get(key), torch.Tensor) and state[key].dim() == 0
+                and not _adopted(self.tracker, state[key])]
         for counter in made:
             self.tracker.moved_to_host(counter)
         if made:
             self.say(optimizer)
-        if hasattr(type(optimizer), "_init_group") and optimizer not in _PATCHED:  # torch.optim's make state there
+        if hasattr(type(optimizer), "_init_group") and "_init_group" not in vars(optimizer):  # where state is made
+            _PATCHED.add(optimizer)  # first: a Ctrl-C between the two leaves a patch that _unpatch() finds
             optimizer._init_group = functools.partial(_init_group_on_host, weakref.ref(optimizer),
                                                       type(optimizer)._init_group)
-            _PATCHED.add(optimizer)
 
     def say(self, optimizer: Any) -> None:
         """The note, once (not once per parameter's optimizer, in backward)."""
@@ -138,9 +140,41 @@ def remove_every() -> None:
     for key, hook in list(hooks.items()):
         if isinstance(getattr(hook, "__self__", None), HostStepCounters):
             hooks.pop(key, None)
-    for optimizer in list(_PATCHED):
-        optimizer.__dict__.pop("_init_group", None)
-        _PATCHED.discard(optimizer)
+    _remove_scalar_modes()
+    _unpatch()
+
+
+def _unpatch() -> None:
+    """With none entered any more: an optimizer that outlives them steps as it did before."""
+    for ref in list(_PATCHED.data):  # type: ignore[attr-defined]  # its weak references, copied in one C step
+        if _ENTERED:  # another thread entered meanwhile: it needs the patches
+            return
+        optimizer = ref()
+        if optimizer is not None:
+            optimizer.__dict__.pop("_init_group", None)
+            _PATCHED.discard(optimizer)
+
+
+def _remove_scalar_modes() -> None:
+    """Take :class:`_HostScalars` modes off this thread's torch function mode stack, leaving the others in order."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    def ours_left() -> bool:
+        return any(isinstance(mode, _HostScalars) for mode in _get_current_function_mode_stack())
+
+    if not ours_left():
+        return
+    above: list[Any] = []
+    try:
+        while torch._C._len_torch_function_stack():
+            top = torch._C._pop_torch_function_stack()
+            if not isinstance(top, _HostScalars):
+                above.append(top)
+            elif not ours_left():
+                break
+    finally:
+        for mode in reversed(above):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def _adopted(tracker: Any, tensor: torch.Tensor) -> bool:
@@ -173,8 +207,10 @@ def _init_group_on_host(owner: weakref.ref[Any], init: Callable[..., Any], *args
     assert optimizer is not None, "an optimizer was let go before its own step"
     hosting = _here()
     group = args[0] if args else kwargs.get("group")
-    if not hosting or (isinstance(group, dict) and all(optimizer.state.get(p) for p in group["params"])):
-        return init(optimizer, *args, **kwargs)  # no tracker here, or every state (counters too) exists already
+    if not hosting or (isinstance(group, dict) and all(optimizer.state.get(p) for p in group["params"]
+                                                       if p.grad is not None)):
+        # no tracker here, or every parameter stepped now has its state (counters too) already
+        return init(optimizer, *args, **kwargs)
     with _HostScalars(hosting) as making:
         result = init(optimizer, *args, **kwargs)
     if making.made:

@@ -81,11 +81,12 @@ class HostMemory:
         >>> tracker.allocated(), tracker.peak_allocated()
         (0, 0)
         """
-        self._on_host += 1
-        try:
+        depth = self._on_host
+        try:  # whatever line Ctrl-C lands on, the depth is put back (and an uninstall sets it to 0)
+            self._on_host = depth + 1
             yield
         finally:
-            self._on_host -= 1
+            self._on_host = depth
 
 
 def keep_outside(outside: dict[int, weakref.ref[Any]], tensor: torch.Tensor) -> None:

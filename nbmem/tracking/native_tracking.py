@@ -128,6 +128,7 @@ class NativeTracker(Activation):
         self._attribution.module_changed = self._module_changed
         self._attribution.install()
         note_native(self)  # before the allocator is registered: %unload_ext finds it whatever happens next
+        self._lib.nbmem_host_reset()
         refused = self._lib.nbmem_install()
         if refused >= 2:
             raise NativeUnavailable(
@@ -144,7 +145,7 @@ class NativeTracker(Activation):
         registered then, and must still be counted out. :meth:`unregister` removes it.
         """
         self._lib.nbmem_uninstall()
-        self._lib.nbmem_host(0)  # what a Ctrl-C in on_host() may have left on
+        self._lib.nbmem_host_reset()  # what a Ctrl-C in on_host() may have left on, on any thread
         lines, self._lines = self._lines, None  # no scope is left to want them
         if lines is not None:
             lines.stop()
@@ -341,7 +342,10 @@ class NativeTracker(Activation):
             return  # memory the allocator never gave (NumPy's, from_blob's; a worker's shared memory counts), or a fake tensor's
         key = storage._cdata
         address, nbytes = self._lib.nbmem_storage_address(key), storage.nbytes()
-        if not address or not nbytes or key in self.outside:
+        if not address or not nbytes:
+            return
+        host = self.outside.get(key)
+        if host is not None and host() is storage:  # the same storage (a dead one's key may be a new storage's)
             return
         known = self._watched.get(key)
         if known is not None and known[2]() is storage:
@@ -376,11 +380,12 @@ class NativeTracker(Activation):
     @contextlib.contextmanager
     def on_host(self) -> Iterator[None]:
         """This thread's allocations inside are host memory: passed through uncounted (see keep_outside)."""
-        self._lib.nbmem_host(1)
-        try:
+        depth = self._lib.nbmem_host(-1)
+        try:  # whatever line Ctrl-C lands on, the depth is put back (and the next install or uninstall resets it)
+            self._lib.nbmem_host(depth + 1)
             yield
         finally:
-            self._lib.nbmem_host(-1)
+            self._lib.nbmem_host(depth)
 
     # -- categories -----------------------------------------------------------
 

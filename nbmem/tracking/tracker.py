@@ -267,7 +267,7 @@ class Tracker(Activation, HostMemory):
             self._attribution.remove()
         remove_global_hooks(self)  # of an attribution an interrupted activation lost track of
         self._attribution = None
-        self._mode = None
+        self._mode, self._on_host = None, 0  # and no storage is host memory (an on_host() Ctrl-C cut short)
         self._lines = None  # no scope is left to want them
 
     def _owns(self, mode: TorchDispatchMode) -> bool:

@@ -369,8 +369,13 @@ c10::Allocator* inner = nullptr;  // the CPU allocator that was registered when 
 c10::DeleterFnPtr inner_deleter = nullptr;  // its deleter for a simple data pointer
 uint8_t inner_priority = 0;  // the priority it was registered with (found when wrapping it)
 std::atomic<bool> counting_on{false};  // a block is tracked: count; else pass allocations through
-// above 0: this thread makes host memory (an optimizer's step counters on a GPU): passed through, never counted
+// above 0: this thread makes host memory (an optimizer's step counters on a GPU): passed through, never counted.
+// Valid while its generation is the current one: nbmem_host_reset() ends every thread's at once.
 thread_local int host_depth = 0;
+thread_local int64_t host_generation = 0;
+std::atomic<int64_t> host_generations{1};
+
+bool hosting() { return host_depth > 0 && host_generation == host_generations.load(std::memory_order_relaxed); }
 
 void counted_delete(void* data) {
   {
@@ -384,7 +389,7 @@ void counted_delete(void* data) {
 struct CountingAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t nbytes) override {
     c10::DataPtr made = inner->allocate(nbytes);
-    if (!counting_on.load(std::memory_order_relaxed) || host_depth > 0) return made;
+    if (!counting_on.load(std::memory_order_relaxed) || hosting()) return made;
     void* data = made.get();
     if (data == nullptr || made.get_context() != data || made.get_deleter() != inner_deleter) {
       return made;  // not a simple data pointer of the allocator wrapped: left as it is, uncounted
@@ -540,9 +545,19 @@ void nbmem_release(int64_t token, void* /* the weak reference */) {
   accounts.remove(it);
 }
 
-// This thread's allocations from now on are host memory (delta 1), or no longer (-1; 0: never, whatever the depth,
-// for an uninstall after Ctrl-C cut an exit short): nbmem.tracking.host_counters.
-void nbmem_host(int delta) { host_depth = delta == 0 ? 0 : std::max(host_depth + delta, 0); }
+// This thread's host-memory depth (nbmem.tracking.host_counters): above 0, its allocations are host memory. Sets it
+// and returns what it was; a negative depth only reads it.
+int nbmem_host(int depth) {
+  int was = hosting() ? host_depth : 0;
+  if (depth >= 0) {
+    host_depth = depth;
+    host_generation = host_generations.load();
+  }
+  return was;
+}
+
+// Every thread's depth back to 0 at once (a block begins or ends: what a Ctrl-C in on_host() left on goes).
+void nbmem_host_reset() { host_generations.fetch_add(1); }
 
 // The block at `ptr` left the device (moved to host memory): no longer counted, its free ignored. 1 if it was counted.
 int nbmem_forget(int64_t ptr) {
