@@ -228,3 +228,20 @@ def test_an_interrupt_at_every_line_of_the_host_counters_leaves_nothing(engine):
     with nbmem.track("cpu", engine=engine) as scope:  # and the next block is exact, counters left out
         _first_step(model, adamw)
     assert scope.result.retained == 2 * PARAMETERS
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_stale_entry_in_the_outside_table_hides_no_other_storage(engine):
+    """The table forgets a storage from a weak reference's callback, Python code that a Ctrl-C can cut short; an
+    entry left behind then names a dead storage's key, which a new storage may get: only the storage itself counts."""
+    import weakref
+
+    from nbmem.tracking.native_tracking import native_tracker
+
+    tracker = nbmem.Tracker("cpu") if engine == "dispatch" else native_tracker()
+    kept, hosted, other = torch.ones(1024), torch.ones(1024), torch.ones(1)  # 4 KiB each
+    tracker.outside[kept.untyped_storage()._cdata] = weakref.ref(other.untyped_storage())  # as if left behind
+    tracker.keep_outside(hosted)
+    tracker.adopt_live()
+    assert tracker.record_of(kept) is not None and tracker.record_of(kept).size == 4096
+    assert tracker.record_of(hosted) is None

@@ -446,7 +446,7 @@ class Tracker(Activation, HostMemory):
                 if not adopt and -(-storage.nbytes() // self.block) * self.block != record.size:
                     self._resized(key, record, storage.nbytes())
                 return
-            if key in self.outside:
+            if (held := self.outside.get(key)) is not None and held() is storage:  # not a dead one's key
                 return
         if not self._on_device(tensor):
             return
