@@ -24,7 +24,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["RNN_NOTE", "CONV_NOTE", "cudnn_kind", "notes_for"]
+__all__ = ["RNN_NOTE", "CONV_NOTE", "MIOPEN_NOTE", "cudnn_kind", "notes_for"]
 
 _RNN = (
     "cuDNN: on an NVIDIA GPU, nn.LSTM/GRU/RNN run cuDNN's RNN kernels, which keep a reserve buffer for backward and "
@@ -44,6 +44,13 @@ CONV_NOTE = (
     "(12-16 % below the measured peak), and its bf16 steps reserved 20 MiB more"
 )
 _UNMEASURED = "; how much they add has been measured only for training steps so far"
+#: On an AMD GPU (ROCm) PyTorch runs the same layers with MIOpen, which has memory of its own too; nbmem has measured
+#: it on no AMD GPU, so the note quotes no figure.
+MIOPEN_NOTE = (
+    "MIOpen: on an AMD GPU (ROCm), nn.LSTM/GRU/RNN and convolutions run MIOpen's kernels, which take workspaces "
+    "through the allocator (an RNN also a reserve buffer for backward); not in these figures, and not measured by "
+    "nbmem on any AMD GPU"
+)
 _NOTES = {"rnn": (RNN_NOTE, _RNN + _UNMEASURED), "conv": (CONV_NOTE, _CONV + _UNMEASURED)}
 
 
@@ -56,8 +63,15 @@ def cudnn_kind(module: nn.Module) -> str | None:
     return None
 
 
-def notes_for(kinds: Iterable[str], training: bool = True) -> list[str]:
+def notes_for(kinds: Iterable[str], training: bool = True, vendor: str = "NVIDIA") -> list[str]:
     """The notes for the kinds of layers that ran (RNN first), each once; with the H100's figures when ``training``
-    (they are a training step's), without them otherwise (inference, generation)."""
+    (they are a training step's), without them otherwise (inference, generation). For an AMD GPU, one note on
+    MIOpen (no figures: none measured).
+
+    >>> notes_for({"rnn", "conv"}, vendor="AMD") == [MIOPEN_NOTE]
+    True
+    """
     found = set(kinds)
+    if vendor == "AMD":
+        return [MIOPEN_NOTE] if found & set(_NOTES) else []
     return [notes[0] if training else notes[1] for kind, notes in _NOTES.items() if kind in found]

@@ -65,6 +65,8 @@ class DevicePreset:
     source_kind: Literal["reported", "nominal"]
     #: The device type PyTorch runs it as: "cuda" (NVIDIA; AMD's under ROCm too), "xpu" (Intel), "mps" (Apple).
     backend: str = "cuda"
+    #: Who makes it: "NVIDIA", "AMD" (its libraries are ROCm's: MIOpen for cuDNN, hipBLAS for cuBLAS), "Intel", "Apple".
+    vendor: str = "NVIDIA"
 
     def __str__(self) -> str:
         if self.backend == "mps":
@@ -259,6 +261,7 @@ _TABLE = (
         source="https://github.com/intel/intel-extension-for-pytorch/issues/846",
         source_kind="reported",
         backend="xpu",
+        vendor="Intel",
     ),
     # AMD Radeon RX 9070 XT 16GB, run by PyTorch (ROCm) as "cuda": "HIP out of memory. ... GPU 0 has a total
     # capacity of 15.92 GiB" with the GPU named in the report.
@@ -268,6 +271,7 @@ _TABLE = (
         nominal="16 GB GDDR6",
         source="https://github.com/Comfy-Org/ComfyUI/issues/13112",
         source_kind="reported",
+        vendor="AMD",
     ),
     # Apple silicon Macs, run as "mps". Their memory is the machine's; what PyTorch lets MPS take is its
     # allocator's limit, "max allowed" in its out-of-memory message: Metal's recommended working set times
@@ -282,6 +286,7 @@ _TABLE = (
             source=source,
             source_kind="reported",
             backend="mps",
+            vendor="Apple",
         )
         for size, limit, source in (
             # "max allowed: 9.07 GB", its machine unnamed: 8 GiB * 2/3 * 1.7 = 9.07

@@ -112,11 +112,14 @@ def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train")
 
     An estimate runs PyTorch's own kernels on fake tensors; on an NVIDIA GPU
     recurrent layers and convolutions run cuDNN's, with memory of their own.
-    Presets of other backends (MPS, XPU) get no note; AMD's (ROCm, which runs
-    MIOpen) and unnamed devices get them, as on CUDA. The H100's figures they
-    quote are a training step's: for another ``task`` the notes leave them out.
+    Presets of other backends (MPS, XPU) get no note; AMD's (ROCm) one on
+    MIOpen, which runs them there; unnamed devices cuDNN's, as NVIDIA's. The
+    H100's figures they quote are a training step's: for another ``task`` the
+    notes leave them out.
 
     >>> cudnn_notes(nn.LSTM(4, 8), "H100-80GB") == [RNN_NOTE]
+    True
+    >>> cudnn_notes(nn.LSTM(4, 8), "RX-9070-XT")[0].startswith("MIOpen: on an AMD GPU (ROCm)")
     True
     >>> cudnn_notes(nn.Conv2d(3, 8, 3), "Mac-16GB"), cudnn_notes(nn.Linear(4, 4), None)
     ([], [])
@@ -124,4 +127,5 @@ def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train")
     known = PRESETS.get(device_label or "")
     if known is not None and known.backend != "cuda":
         return []
-    return notes_for((kind for module in model.modules() if (kind := cudnn_kind(module)) is not None), task == "train")
+    return notes_for((kind for module in model.modules() if (kind := cudnn_kind(module)) is not None), task == "train",
+                     known.vendor if known is not None else "NVIDIA")
