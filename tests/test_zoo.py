@@ -288,3 +288,19 @@ def test_a_downloading_factory_points_to_from_config(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="from_config") as caught:
         estimate(download, causal_lm_batch, batch_size=2)
     assert isinstance(caught.value.__cause__, OSError)
+
+
+def test_grouped_query_attention_in_fp32_says_the_gpu_may_run_the_math_kernel():
+    """Llama's 2 query heads share 1 key/value head: in fp32 the note says what torch 2.11's CUDA kernels do with
+    Hugging Face's enable_gqa=True (benchmarks/bench_attention_kernels.py); bf16, and GPT-2 (no grouping), say nothing."""
+    need_zoo(vision=False)
+    from _zoo import causal_lm_batch, gpt2, llama
+
+    def grouped_notes(build, precision):
+        result = estimate(build, causal_lm_batch, batch_size=2, precision=precision)
+        return [note for note in result.notes if note.startswith("attention: grouped-query")]
+
+    notes = grouped_notes(llama, "fp32")
+    assert len(notes) == 1 and "(2 query heads, 1 key/value head) in fp32" in notes[0]
+    assert "allocated 4.5 % more" in notes[0]
+    assert grouped_notes(llama, "bf16") == [] and grouped_notes(gpt2, "fp32") == []

@@ -31,10 +31,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from .kernels import ScopedKernels
 
-__all__ = ["FusedAttention", "set_attention", "check_attention", "IMPLEMENTATIONS"]
+__all__ = ["FusedAttention", "set_attention", "check_attention", "grouped_query", "IMPLEMENTATIONS"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # the schema: (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False)
@@ -51,6 +52,9 @@ class FusedAttention(ScopedKernels):
         self.with_dropout = 0
         #: calls that needed a gradient and still ran PyTorch's math kernel (saves the attention matrix)
         self.math = 0
+        #: calls in fp32, and the model's (query heads, key/value heads) where it groups them (grouped_query)
+        self.fp32 = 0
+        self.grouped: tuple[int, int] | None = None
 
     def __enter__(self) -> FusedAttention:
         entered: FusedAttention = super().__enter__()
@@ -61,6 +65,7 @@ class FusedAttention(ScopedKernels):
 
     def _kernel(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
+        self.fp32 += args[0].dtype == torch.float32
         if len(args) > _DROPOUT_AT:
             dropout = args[_DROPOUT_AT]
             args = (*args[:_DROPOUT_AT], 0.0, *args[_DROPOUT_AT + 1:])
@@ -88,6 +93,15 @@ class FusedAttention(ScopedKernels):
                 f"attention: {self.with_dropout // steps} calls per step with dropout run without it, as CUDA's fused kernels save no "
                 "dropout mask (they regenerate it)"
             )
+        if self.grouped and self.fp32:
+            notes.append(
+                f"attention: grouped-query attention ({self.grouped[0]} query heads, {self.grouped[1]} key/value "
+                f"head{'s' if self.grouped[1] > 1 else ''}) in fp32: with no mask, Hugging Face passes enable_gqa=True, which torch 2.11's fused CUDA "
+                "kernels refuse in fp32 (memory-efficient attention takes it from pytorch/pytorch#191085 on); the GPU "
+                "then runs the math kernel, which keeps the attention matrix. An H100 (torch 2.11) allocated 4.5 % "
+                "more than such an estimate of a small Llama (benchmarks/bench_attention_kernels.py); bf16 and fp16 "
+                "run flash attention, as estimated"
+            )
         if self.math:
             notes.append(
                 f"attention: {self.math // steps} calls per step ran PyTorch's math kernel, which saves the attention matrix (CPU's "
@@ -98,6 +112,21 @@ class FusedAttention(ScopedKernels):
 
 #: Hugging Face attention implementations an estimate can set (attn_implementation), and what each runs here.
 IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def grouped_query(model: nn.Module) -> tuple[int, int] | None:
+    """A Hugging Face model's (query heads, key/value heads) where it groups them (Llama's), else None.
+
+    >>> from types import SimpleNamespace
+    >>> grouped_query(SimpleNamespace(config=SimpleNamespace(num_attention_heads=8, num_key_value_heads=4)))
+    (8, 4)
+    >>> grouped_query(nn.Linear(2, 2))
+    """
+    config = getattr(model, "config", None)
+    heads, grouped = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(grouped, int) and 0 < grouped < heads:
+        return heads, grouped
+    return None
 
 
 def check_attention(attention: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .attention import FusedAttention, set_attention
+from .attention import FusedAttention, grouped_query, set_attention
 from .finetune import TrainedWatch, apply_trainable
 from .autocast_policy import CudaAutocastPolicy
 from .building import (
@@ -303,6 +303,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             classify_quantization_state(network, whole.tracker.classify)  # also a model quantized before nbmem got it
             network = apply_trainable(network, trainable, notes)
             set_attention(network, plan.attention, notes)
+            if attention is not None:
+                attention.grouped = grouped_query(network)
             if task == "generate":
                 check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
             unit, unit_name = block_rule(network, plan.block)  # before checkpointing wraps the blocks
