@@ -1,21 +1,21 @@
-"""Which attention kernel the H100 ran: the campaign's Llama steps estimated with a fused kernel and with the math one.
+"""Which attention kernel the H100 ran: the campaign's Llama steps estimated as nbmem does and with a fused kernel.
 
-nbmem estimates ``scaled_dot_product_attention`` as a fused kernel, which
-keeps no attention matrix (``nbmem.estimation.attention``). With no mask,
-Hugging Face's sdpa path passes ``enable_gqa=True`` for a grouped-query
-model (transformers/integrations/sdpa_attention.py, ``use_gqa_in_sdpa``):
-the small Llama of the GPU campaign has 8 query heads and 4 key/value
-heads. With torch 2.11, in fp32, none of CUDA's fused kernels accepts that:
-flash and cuDNN take no fp32, and memory-efficient attention took no
-grouped-query input before pytorch/pytorch#191085 (July 2026); PyTorch then
-runs its math kernel, which keeps the attention matrix and its softmax for
-backward. In bf16, flash attention takes it.
+Without a mask, Hugging Face's sdpa path passes ``enable_gqa=True`` for a
+grouped-query model (transformers/integrations/sdpa_attention.py,
+``use_gqa_in_sdpa``): the small Llama of the GPU campaign has 8 query heads
+and 4 key/value heads. With torch 2.11, in fp32, none of CUDA's fused kernels
+accepts that: flash and cuDNN take no fp32, and memory-efficient attention
+took no grouped-query input before pytorch/pytorch#191085 (July 2026);
+PyTorch then runs its math kernel, which keeps the attention matrix and its
+softmax for backward. In bf16, flash attention takes it.
 
-This script estimates the campaign's Llama steps (2026-11-25, H100, torch
-2.11: ``results/2026-11-25-gpu/campaign-run4-zoo.json``) twice, for the
-``H100-80GB`` preset: as nbmem does, and with every fp32 attention call
-run as PyTorch's math kernel (``aten._scaled_dot_product_attention_math``,
-``is_causal`` and no mask, as on the GPU), and compares both with the
+nbmem's estimate (``nbmem.estimation.attention.FusedAttention``) now runs such
+calls as the math kernel, and sees on fake tensors the mask a real run sees
+(none here: the position ids the model makes are not packed). This script
+estimates the campaign's Llama steps (2026-11-25, H100, torch 2.11:
+``results/2026-11-25-gpu/campaign-run4-zoo.json``) for the ``H100-80GB``
+preset as nbmem does, and with every call run as a fused kernel (PyTorch's
+composite SDPA on the CPU, as nbmem did before), and compares both with the
 allocator's peak. Bytes, not times.
 
     python benchmarks/bench_attention_kernels.py [--json results/DATE-attention-kernels-cpu.json]
@@ -34,21 +34,14 @@ import torch
 from _environment import environment, write_json
 
 CAMPAIGN = Path(__file__).resolve().parent / "results" / "2026-11-25-gpu" / "campaign-run4-zoo.json"
-MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 
 
-def _as_math(fused: Any) -> Any:
-    """FusedAttention's kernel, with fp32 calls run as the math kernel, causal and without the mask."""
-
-    def kernel(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if args[0].dtype != torch.float32:
-            return fused(self, *args, **kwargs)
-        self.calls += 1
-        query, key, value = args[:3]
-        kwargs = {name: value for name, value in kwargs.items() if name in ("scale", "enable_gqa")}
-        return MATH(query, key, value, None, 0.0, True, **kwargs)[0]
-
-    return kernel
+def _all_fused(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """FusedAttention's kernel as it was: every call PyTorch's composite SDPA (a fused CPU kernel), no dropout."""
+    self.calls += 1
+    args = (*args[:4], 0.0, *args[5:]) if len(args) > 4 else args
+    kwargs.pop("dropout_p", None)
+    return torch.ops.aten.scaled_dot_product_attention.default.decompose(*args, **kwargs)
 
 
 def main() -> None:
@@ -69,15 +62,15 @@ def main() -> None:
             continue
         knobs = dict(batch_size=old["batch"], precision=old["precision"], checkpointing=old["checkpointing"],
                      optimizer=old["optimizer"])
-        fused = estimate(build, make, device="H100-80GB", **knobs).peak
-        with mock.patch.object(FusedAttention, "_kernel", _as_math(FusedAttention._kernel)):
-            math = estimate(build, make, device="H100-80GB", **knobs).peak
-        row = {**knobs, "measured": old["measured"], "fused": fused, "math": math,
-               "fused_error": round((fused - old["measured"]) / old["measured"], 4),
-               "math_error": round((math - old["measured"]) / old["measured"], 4)}
+        nbmem_today = estimate(build, make, device="H100-80GB", **knobs).peak
+        with mock.patch.object(FusedAttention, "_kernel", _all_fused):
+            fused = estimate(build, make, device="H100-80GB", **knobs).peak
+        row = {**knobs, "measured": old["measured"], "nbmem": nbmem_today, "fused": fused,
+               "nbmem_error": round((nbmem_today - old["measured"]) / old["measured"], 4),
+               "fused_error": round((fused - old["measured"]) / old["measured"], 4)}
         rows.append(row)
-        print(f"llama {old['precision']:5} {old['optimizer']:12} measured {row['measured']:,} B  fused {fused:,} B "
-              f"({row['fused_error']:+.2%})  math {math:,} B ({row['math_error']:+.2%})")
+        print(f"llama {old['precision']:5} {old['optimizer']:12} measured {row['measured']:,} B  nbmem "
+              f"{nbmem_today:,} B ({row['nbmem_error']:+.2%})  all fused {fused:,} B ({row['fused_error']:+.2%})")
     write_json(args.json, {**environment("transformers"), "campaign": str(CAMPAIGN.name), "rows": rows})
 
 

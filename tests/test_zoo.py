@@ -11,6 +11,8 @@ then it fails.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -290,17 +292,44 @@ def test_a_downloading_factory_points_to_from_config(tmp_path, monkeypatch):
     assert isinstance(caught.value.__cause__, OSError)
 
 
-def test_grouped_query_attention_in_fp32_says_the_gpu_may_run_the_math_kernel():
-    """Llama's 2 query heads share 1 key/value head: in fp32 the note says what torch 2.11's CUDA kernels do with
-    Hugging Face's enable_gqa=True (benchmarks/bench_attention_kernels.py); bf16, and GPT-2 (no grouping), say nothing."""
+def test_grouped_query_attention_in_fp32_runs_the_math_kernel_as_on_cuda():
+    """Llama's 2 query heads share 1 key/value head. Without a mask, transformers passes enable_gqa=True (on fake
+    tensors too: the position ids it made itself are one sequence per row, as on real ones), which CUDA's fused
+    kernels refuse in fp32: the estimate runs the math kernel, attention matrix kept, and says so; the tracked run
+    (real tensors) the same, to the byte. bf16 (flash attention) and GPT-2 (no grouping) say nothing."""
     need_zoo(vision=False)
     from _zoo import causal_lm_batch, gpt2, llama
 
-    def grouped_notes(build, precision):
-        result = estimate(build, causal_lm_batch, batch_size=2, precision=precision)
-        return [note for note in result.notes if note.startswith("attention: grouped-query")]
+    def grouped(build, precision, mode="estimated"):
+        result = estimate(build, causal_lm_batch, batch_size=2, precision=precision, mode=mode)
+        return result, [note for note in result.notes if "grouped-query calls per step in fp32" in note]
 
-    notes = grouped_notes(llama, "fp32")
-    assert len(notes) == 1 and "(2 query heads, 1 key/value head) in fp32" in notes[0]
-    assert "allocated 4.5 % more" in notes[0]
-    assert grouped_notes(llama, "bf16") == [] and grouped_notes(gpt2, "fp32") == []
+    (estimated, notes), (tracked, tracked_notes) = grouped(llama, "fp32"), grouped(llama, "fp32", "tracked")
+    assert len(notes) == 1 and "attention: 2 grouped-query calls per step in fp32 (2 query heads, 1 key/value head" in notes[0]
+    assert (estimated.first_step, estimated.steady) == (tracked.first_step, tracked.steady) and tracked_notes == notes
+    assert not any(note.startswith("Hugging Face builds") for note in estimated.notes)  # no mask: none built
+    assert grouped(llama, "bf16")[1] == [] and grouped(gpt2, "fp32")[1] == []
+
+
+def test_position_ids_the_model_makes_build_no_mask_on_fake_tensors_either():
+    """transformers' packing check can't read fake position ids; those the model made (an arange per row) are one
+    sequence per row, as on real tensors: no 4-D mask, and the grouped key/value heads are not repeated."""
+    need_zoo(vision=False)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from nbmem.estimation import attention
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=1, vocab_size=256, use_cache=False)
+
+    def make(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 256, (n, 256))
+        return {"input_ids": ids, "labels": ids}
+
+    def peak(mode: str = "estimated") -> int:
+        return estimate(lambda: LlamaForCausalLM(config), make, batch_size=2, precision="bf16", mode=mode).peak
+
+    tracked, estimated = peak("tracked"), peak()
+    assert estimated == tracked
+    with mock.patch.object(attention, "_packed_sequences", lambda check, ids: check(ids)):  # as before: "packed"
+        assert peak() - tracked == 360_448  # the (2, 1, 256, 256) mask and the key/value heads repeated 4 times

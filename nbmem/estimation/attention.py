@@ -17,7 +17,23 @@ the key where its composite kernel runs, so autograd records the fused op) by
 one that runs PyTorch's own composite kernel with ``dropout_p=0``: same shapes
 and saved tensors as CUDA's fused kernels, no dropout applied (an estimate has
 no values; a tracked run's numbers differ, its memory does not). It counts the
-calls and which CPU kernel ran, for the estimate's notes.
+calls and which CPU kernel ran, for the estimate's notes. One call runs PyTorch's
+math kernel instead, as on CUDA: grouped-query attention (``enable_gqa=True``,
+fewer key/value heads) in fp32, which no fused CUDA kernel takes (flash and
+cuDNN take no fp32; memory-efficient attention no grouped-query input before
+pytorch/pytorch#191085); it keeps the attention matrix for backward.
+
+While active it also lets transformers see, on fake tensors, what it sees on
+real ones: position ids a model made itself (``cache_position.unsqueeze(0)``,
+an arange, then expanded over the batch) are one sequence per row, so no
+packed-sequence mask is built for them (masking_utils.find_packed_sequence_indices
+can't read fake values and answered "packed"). Without this, an estimate of a
+Hugging Face causal LM built a (batch, 1, sequence, sequence) mask that a real
+run without one skips, and a grouped-query model repeated its key/value heads
+where a real run passes ``enable_gqa=True``: a 2-layer Llama over 4 x 512
+tokens was estimated 4.9 % (bf16) and 8.4 % (fp32) above its tracked run.
+Position ids the batch brings (a packing collator's) are left to
+transformers, as is an ``attention_mask``, whose padding fake tensors can't show.
 
 >>> q = torch.randn(1, 2, 16, 8, requires_grad=True)
 >>> with FusedAttention() as attention:
@@ -28,16 +44,19 @@ calls and which CPU kernel ran, for the estimate's notes.
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any
 
 import torch
-from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .kernels import ScopedKernels
 
-__all__ = ["FusedAttention", "set_attention", "check_attention", "grouped_query", "IMPLEMENTATIONS"]
+__all__ = ["FusedAttention", "set_attention", "check_attention", "IMPLEMENTATIONS"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 # the schema: (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False)
 _DROPOUT_AT = 4
 
@@ -52,20 +71,41 @@ class FusedAttention(ScopedKernels):
         self.with_dropout = 0
         #: calls that needed a gradient and still ran PyTorch's math kernel (saves the attention matrix)
         self.math = 0
-        #: calls in fp32, and the model's (query heads, key/value heads) where it groups them (grouped_query)
-        self.fp32 = 0
+        #: fp32 grouped-query calls (enable_gqa=True), run as PyTorch's math kernel as on CUDA; their heads
+        self.grouped_math = 0
         self.grouped: tuple[int, int] | None = None
+        #: calls given a mask on fake tensors, and whether the model is Hugging Face's (estimate_plan sets it)
+        self.masked = 0
+        self.hugging_face = False
+        self._positions: Any = None  # transformers.masking_utils, while its packing check is wrapped
 
     def __enter__(self) -> FusedAttention:
         entered: FusedAttention = super().__enter__()
+        try:
+            masking: Any = sys.modules.get("transformers.masking_utils")  # imported by any model that uses it
+            if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
+                self._positions = masking  # first: an exit finds it whatever comes next
+                masking.find_packed_sequence_indices = functools.partial(_packed_sequences,
+                                                                         masking.find_packed_sequence_indices)
+        except BaseException:  # Ctrl-C: no exit will come for an enter that did not return
+            self.__exit__()
+            raise
         return entered
+
+    def __exit__(self, *exc_info: object) -> None:
+        masking, self._positions = self._positions, None
+        wrapped = getattr(masking, "find_packed_sequence_indices", None)
+        if isinstance(wrapped, functools.partial) and wrapped.func is _packed_sequences:
+            masking.find_packed_sequence_indices = wrapped.args[0]
+        super().__exit__(*exc_info)
 
     def register(self, library: torch.library.Library) -> None:
         library.impl("scaled_dot_product_attention", self._kernel, "AutogradCPU")
 
     def _kernel(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
-        self.fp32 += args[0].dtype == torch.float32
+        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+        self.masked += isinstance(mask, FakeTensor)
         if len(args) > _DROPOUT_AT:
             dropout = args[_DROPOUT_AT]
             args = (*args[:_DROPOUT_AT], 0.0, *args[_DROPOUT_AT + 1:])
@@ -73,6 +113,15 @@ class FusedAttention(ScopedKernels):
             dropout = kwargs.pop("dropout_p", 0.0)
         if dropout:
             self.with_dropout += 1
+        query, key = args[0], args[1]
+        if query.dtype == torch.float32 and kwargs.get("enable_gqa") and query.size(-3) != key.size(-3):
+            # CUDA's fused kernels take no grouped-query fp32 input (flash and cuDNN no fp32, memory-efficient
+            # attention no grouping before pytorch/pytorch#191085): PyTorch runs its math kernel
+            self.grouped_math += 1
+            self.grouped = (query.size(-3), key.size(-3))
+            mask = args[3] if len(args) > 3 else kwargs.pop("attn_mask", None)
+            causal = args[5] if len(args) > 5 else kwargs.pop("is_causal", False)
+            return _MATH(*args[:3], mask, 0.0, causal, None, **kwargs)[0]
         # PyTorch's own composite kernel (the one this replaces), which picks the CPU kernel
         output = _SDPA.decompose(*args, **kwargs)
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
@@ -93,14 +142,21 @@ class FusedAttention(ScopedKernels):
                 f"attention: {self.with_dropout // steps} calls per step with dropout run without it, as CUDA's fused kernels save no "
                 "dropout mask (they regenerate it)"
             )
-        if self.grouped and self.fp32:
+        if self.hugging_face and self.masked:
             notes.append(
-                f"attention: grouped-query attention ({self.grouped[0]} query heads, {self.grouped[1]} key/value "
-                f"head{'s' if self.grouped[1] > 1 else ''}) in fp32: with no mask, Hugging Face passes enable_gqa=True, which torch 2.11's fused CUDA "
-                "kernels refuse in fp32 (memory-efficient attention takes it from pytorch/pytorch#191085 on); the GPU "
-                "then runs the math kernel, which keeps the attention matrix. An H100 (torch 2.11) allocated 4.5 % "
-                "more than such an estimate of a small Llama (benchmarks/bench_attention_kernels.py); bf16 and fp16 "
-                "run flash attention, as estimated"
+                "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, as for a batch "
+                "with padding (its attention_mask's values can't be read there); a real batch without padding skips "
+                "it and takes that much less"
+            )
+        if self.grouped_math and self.grouped:
+            query_heads, key_heads = self.grouped
+            notes.append(
+                f"attention: {self.grouped_math // steps} grouped-query calls per step in fp32 ({query_heads} query "
+                f"heads, {key_heads} key/value head{'s' if key_heads > 1 else ''}; Hugging Face passes enable_gqa=True "
+                "without a mask) modelled as PyTorch's math kernel, which keeps the attention matrix: CUDA's fused "
+                "kernels take no grouped-query fp32 input (memory-efficient attention takes it from "
+                "pytorch/pytorch#191085 on: with a torch that has it, this is high). An H100 with torch 2.11 ran a "
+                "small Llama's fp32 step so, 2.0 % above this estimate (benchmarks/bench_attention_kernels.py)"
             )
         if self.math:
             notes.append(
@@ -114,19 +170,12 @@ class FusedAttention(ScopedKernels):
 IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 
-def grouped_query(model: nn.Module) -> tuple[int, int] | None:
-    """A Hugging Face model's (query heads, key/value heads) where it groups them (Llama's), else None.
-
-    >>> from types import SimpleNamespace
-    >>> grouped_query(SimpleNamespace(config=SimpleNamespace(num_attention_heads=8, num_key_value_heads=4)))
-    (8, 4)
-    >>> grouped_query(nn.Linear(2, 2))
-    """
-    config = getattr(model, "config", None)
-    heads, grouped = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    if isinstance(heads, int) and isinstance(grouped, int) and 0 < grouped < heads:
-        return heads, grouped
-    return None
+def _packed_sequences(check: Any, position_ids: torch.Tensor) -> Any:
+    """transformers' packing check, answered as on real tensors for fake position ids the model made (an arange)."""
+    base = position_ids._base
+    if isinstance(position_ids, FakeTensor) and base is not None and base.dim() == 1:
+        return None  # one sequence per row: what the check finds on the real arange
+    return check(position_ids)
 
 
 def check_attention(attention: Any) -> None:

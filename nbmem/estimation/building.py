@@ -76,13 +76,6 @@ def fresh_model(
         raise ValueError(f"model must be a torch.nn.Module or a function that builds one, got {type(model).__name__}")
     if require_trainable:
         _check_trainable(built)
-    if fake_mode is not None and notes is not None and type(built).__module__.startswith(("transformers.", "peft.")):
-        # transformers' masking_utils skips the causal mask when the attention mask has no padding, which it
-        # can't see on fake tensors (is_tracing): it builds the mask, as a padded batch would need
-        notes.append(
-            "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, as for a batch "
-            "with padding; a real batch without padding may skip it and take that much less"
-        )
     return built
 
 

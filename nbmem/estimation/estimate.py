@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .attention import FusedAttention, grouped_query, set_attention
+from .attention import FusedAttention, set_attention
 from .finetune import TrainedWatch, apply_trainable
 from .autocast_policy import CudaAutocastPolicy
 from .building import (
@@ -304,7 +304,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             network = apply_trainable(network, trainable, notes)
             set_attention(network, plan.attention, notes)
             if attention is not None:
-                attention.grouped = grouped_query(network)
+                attention.hugging_face = type(network).__module__.startswith(("transformers.", "peft."))
             if task == "generate":
                 check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
             unit, unit_name = block_rule(network, plan.block)  # before checkpointing wraps the blocks
@@ -459,8 +459,6 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     if step is not None:
         notes += user_step_notes(step, precision, run_on)
     notes += task_notes(task, plan.prompt_length, plan.new_tokens)
-    if task == "generate":  # no mask is passed, so the note on the mask fake tensors build does not apply
-        notes = [note for note in notes if not note.startswith("Hugging Face builds a (batch, 1")]
     first, steady = peaks if task == "train" else (peaks[0], peaks[0])
     return Estimate(
         batch_size=batch_size,
