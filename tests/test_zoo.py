@@ -11,6 +11,7 @@ then it fails.
 
 from __future__ import annotations
 
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -333,3 +334,24 @@ def test_position_ids_the_model_makes_build_no_mask_on_fake_tensors_either():
     assert estimated == tracked
     with mock.patch.object(attention, "_packed_sequences", lambda check, ids: check(ids)):  # as before: "packed"
         assert peak() - tracked == 360_448  # the (2, 1, 256, 256) mask and the key/value heads repeated 4 times
+
+
+def test_position_ids_the_batch_brings_are_left_to_transformers_even_as_a_view():
+    """Packed documents of 64 tokens, their position ids a view of a 1-D tensor: transformers' own check decides
+    (on fake tensors it can't read them, and builds the packed mask, as a real run does)."""
+    need_zoo(vision=False)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                         num_key_value_heads=1, vocab_size=256, use_cache=False)
+
+    def packed(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 256, (n, 256))
+        return {"input_ids": ids, "labels": ids, "position_ids": (torch.arange(256) % 64).unsqueeze(0).expand(n, -1)}
+
+    def estimated(mode: str = "estimated") -> Any:
+        return estimate(lambda: LlamaForCausalLM(config), packed, batch_size=2, precision="bf16", mode=mode)
+
+    fake, real = estimated(), estimated("tracked")
+    assert fake.peak == real.peak
+    assert any(note.startswith("Hugging Face builds a (batch, 1, sequence, sequence)") for note in fake.notes)

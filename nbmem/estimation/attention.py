@@ -32,7 +32,8 @@ Hugging Face causal LM built a (batch, 1, sequence, sequence) mask that a real
 run without one skips, and a grouped-query model repeated its key/value heads
 where a real run passes ``enable_gqa=True``: a 2-layer Llama over 4 x 512
 tokens was estimated 4.9 % (bf16) and 8.4 % (fp32) above its tracked run.
-Position ids the batch brings (a packing collator's) are left to
+Position ids the batch brings (a packing collator's; noted by
+:func:`batch_positions` as the step makes its batch) are left to
 transformers, as is an ``attention_mask``, whose padding fake tensors can't show.
 
 >>> q = torch.randn(1, 2, 16, 8, requires_grad=True)
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -53,7 +55,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .kernels import ScopedKernels
 
-__all__ = ["FusedAttention", "set_attention", "check_attention", "IMPLEMENTATIONS"]
+__all__ = ["FusedAttention", "set_attention", "check_attention", "batch_positions", "IMPLEMENTATIONS"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
@@ -83,21 +85,24 @@ class FusedAttention(ScopedKernels):
         entered: FusedAttention = super().__enter__()
         try:
             masking: Any = sys.modules.get("transformers.masking_utils")  # imported by any model that uses it
-            if masking is not None and hasattr(masking, "find_packed_sequence_indices"):
+            check = getattr(masking, "find_packed_sequence_indices", None)
+            if check is not None and not _ours(check):  # ours already: one an interrupted exit left
                 self._positions = masking  # first: an exit finds it whatever comes next
-                masking.find_packed_sequence_indices = functools.partial(_packed_sequences,
-                                                                         masking.find_packed_sequence_indices)
+                masking.find_packed_sequence_indices = functools.partial(_packed_sequences, check)
         except BaseException:  # Ctrl-C: no exit will come for an enter that did not return
             self.__exit__()
             raise
         return entered
 
     def __exit__(self, *exc_info: object) -> None:
-        masking, self._positions = self._positions, None
-        wrapped = getattr(masking, "find_packed_sequence_indices", None)
-        if isinstance(wrapped, functools.partial) and wrapped.func is _packed_sequences:
-            masking.find_packed_sequence_indices = wrapped.args[0]
-        super().__exit__(*exc_info)
+        try:
+            masking = self._positions
+            wrapped: Any = getattr(masking, "find_packed_sequence_indices", None)
+            if _ours(wrapped):
+                masking.find_packed_sequence_indices = wrapped.args[0]
+            self._positions = None
+        finally:  # whatever line Ctrl-C lands on above, the kernels go (a wrapper left acts on fake tensors only)
+            super().__exit__(*exc_info)
 
     def register(self, library: torch.library.Library) -> None:
         library.impl("scaled_dot_product_attention", self._kernel, "AutogradCPU")
@@ -111,17 +116,18 @@ class FusedAttention(ScopedKernels):
             args = (*args[:_DROPOUT_AT], 0.0, *args[_DROPOUT_AT + 1:])
         else:
             dropout = kwargs.pop("dropout_p", 0.0)
-        if dropout:
-            self.with_dropout += 1
         query, key = args[0], args[1]
         if query.dtype == torch.float32 and kwargs.get("enable_gqa") and query.size(-3) != key.size(-3):
             # CUDA's fused kernels take no grouped-query fp32 input (flash and cuDNN no fp32, memory-efficient
-            # attention no grouping before pytorch/pytorch#191085): PyTorch runs its math kernel
+            # attention no grouping before pytorch/pytorch#191085): PyTorch runs its math kernel, with its
+            # dropout (whose mask it keeps)
             self.grouped_math += 1
             self.grouped = (query.size(-3), key.size(-3))
             mask = args[3] if len(args) > 3 else kwargs.pop("attn_mask", None)
             causal = args[5] if len(args) > 5 else kwargs.pop("is_causal", False)
-            return _MATH(*args[:3], mask, 0.0, causal, None, **kwargs)[0]
+            return _MATH(*args[:3], mask, dropout, causal, None, **kwargs)[0]
+        if dropout:
+            self.with_dropout += 1
         # PyTorch's own composite kernel (the one this replaces), which picks the CPU kernel
         output = _SDPA.decompose(*args, **kwargs)
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
@@ -144,9 +150,9 @@ class FusedAttention(ScopedKernels):
             )
         if self.hugging_face and self.masked:
             notes.append(
-                "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, as for a batch "
-                "with padding (its attention_mask's values can't be read there); a real batch without padding skips "
-                "it and takes that much less"
+                "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, which can't show "
+                "whether a batch has padding or packed sequences: a real batch with neither may skip it and take "
+                "that much less"
             )
         if self.grouped_math and self.grouped:
             query_heads, key_heads = self.grouped
@@ -170,11 +176,27 @@ class FusedAttention(ScopedKernels):
 IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 
+#: Position ids the batch brought (nbmem.estimation.step.prepared_batch): transformers' own check decides for them.
+_BATCH_POSITIONS: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+
+def batch_positions(batch: Any) -> None:
+    """Note the ``position_ids`` a batch brings (a packing collator's): not the model's own arange."""
+    if isinstance(batch, dict) and isinstance(batch.get("position_ids"), torch.Tensor):
+        _BATCH_POSITIONS.add(batch["position_ids"])
+
+
+def _ours(check: Any) -> bool:
+    return isinstance(check, functools.partial) and check.func is _packed_sequences
+
+
 def _packed_sequences(check: Any, position_ids: torch.Tensor) -> Any:
     """transformers' packing check, answered as on real tensors for fake position ids the model made (an arange)."""
     base = position_ids._base
     if isinstance(position_ids, FakeTensor) and base is not None and base.dim() == 1:
-        return None  # one sequence per row: what the check finds on the real arange
+        storage = position_ids.untyped_storage()._cdata
+        if not any(brought.untyped_storage()._cdata == storage for brought in list(_BATCH_POSITIONS)):
+            return None  # one sequence per row: what the check finds on the real arange
     return check(position_ids)
 
 

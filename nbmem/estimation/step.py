@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .attention import batch_positions
 from .building import default_device
 
 __all__ = ["run_step", "prepared_batch", "checked_batch", "cast_floats", "moved_to", "AUTOCAST_DTYPES", "ZERO_GRAD"]
@@ -97,6 +98,7 @@ def prepared_batch(
         batch = moved_to(batch, device)
     if precision.endswith("-weights"):
         batch = cast_floats(batch, torch.bfloat16 if precision.startswith("bf16") else torch.float16)
+    batch_positions(batch)  # the batch's own position ids: transformers decides whether they are packed
     return batch
 
 
