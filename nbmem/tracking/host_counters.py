@@ -94,10 +94,7 @@ class HostStepCounters:
 
     def __exit__(self, *exc: object) -> None:
         """Idempotent, and it looks at torch's own table: what a Ctrl-C in :meth:`__enter__` left goes too."""
-        hooks = optimizer_module._global_optimizer_pre_hooks
-        for key, hook in list(hooks.items()):
-            if getattr(hook, "__self__", None) is self:
-                hooks.pop(key, None)
+        _remove_hooks(lambda owner: owner is self)
         while self in _ENTERED:
             _ENTERED.remove(self)
         _remove_scalar_modes()  # one a Ctrl-C on the line that leaves it kept on this thread's stack
@@ -136,12 +133,17 @@ def remove_every() -> None:
     """
     for counters in list(_ENTERED):
         counters.__exit__()
-    hooks = optimizer_module._global_optimizer_pre_hooks
-    for key, hook in list(hooks.items()):
-        if isinstance(getattr(hook, "__self__", None), HostStepCounters):
-            hooks.pop(key, None)
+    _remove_hooks(lambda owner: isinstance(owner, HostStepCounters))
     _remove_scalar_modes()
     _unpatch()
+
+
+def _remove_hooks(belongs: Callable[[Any], bool]) -> None:
+    """Take out of torch's global step pre-hooks those bound to a HostStepCounters ``belongs`` picks."""
+    hooks = optimizer_module._global_optimizer_pre_hooks
+    for key, hook in list(hooks.items()):
+        if belongs(getattr(hook, "__self__", None)):
+            hooks.pop(key, None)
 
 
 def _unpatch() -> None:
