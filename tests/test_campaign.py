@@ -137,6 +137,16 @@ def test_the_misses_probe_refuses_without_cuda(misses: ModuleType, tmp_path: Pat
     assert capsys.readouterr().err == "gpu_probes_misses.py: no CUDA device here; nothing to probe\n"
 
 
+def test_the_misses_probe_names_the_attention_kernel_pytorch_picks(misses: ModuleType) -> None:
+    """sdpa_backend asks PyTorch's own chooser: on the CPU, its flash kernel, grouped-query input and a mask too."""
+    query, key = torch.randn(2, 8, 16, 8), torch.randn(2, 2, 16, 8)
+    assert misses.sdpa_backend(query, key, None, True) == "FLASH_ATTENTION"
+    assert misses.sdpa_backend(query, query, torch.ones(16, 16, dtype=torch.bool).tril(), False) == "FLASH_ATTENTION"
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert misses.sdpa_backend(query, key, None, True) == "MATH"
+    assert "attention" in misses.SECTIONS
+
+
 def test_the_misses_probe_reduces_a_real_h100_history(misses: ModuleType) -> None:
     """compact() and allocations() on an allocator history an H100 recorded (an MLP's three AdamW steps)."""
     import pickle
