@@ -11,6 +11,7 @@ then it fails.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 from unittest import mock
 
@@ -332,7 +333,8 @@ def test_position_ids_the_model_makes_build_no_mask_on_fake_tensors_either():
 
     tracked, estimated = peak("tracked"), peak()
     assert estimated == tracked
-    with mock.patch.object(attention, "_packed_sequences", lambda check, ids: check(ids)):  # as before: "packed"
+    as_before = {"find_packed_sequence_indices": lambda _, check, ids: check(ids)}  # fake ids: "packed"
+    with mock.patch.dict(attention._CHECKS, as_before):
         assert peak() - tracked == 360_448  # the (2, 1, 256, 256) mask and the key/value heads repeated 4 times
 
 
@@ -355,3 +357,58 @@ def test_position_ids_the_batch_brings_are_left_to_transformers_even_as_a_view()
     fake, real = estimated(), estimated("tracked")
     assert fake.peak == real.peak
     assert any(note.startswith("Hugging Face builds a (batch, 1, sequence, sequence)") for note in fake.notes)
+
+
+def test_the_mask_note_comes_only_where_unreadable_values_built_the_mask():
+    """A padded batch's attention_mask is fake: transformers can't see that it has no padding and builds the mask a
+    real run skips (the note says so, and by how much it is high). A sliding window builds one on real tensors too:
+    equal to the tracked run, and no note."""
+    need_zoo(vision=False)
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    shape = dict(num_hidden_layers=1, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                 num_key_value_heads=1, vocab_size=256, use_cache=False)
+
+    def padded(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 256, (n, 256))
+        return {"input_ids": ids, "labels": ids, "attention_mask": torch.ones(n, 256, dtype=torch.long)}
+
+    def plain(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 256, (n, 256))
+        return {"input_ids": ids, "labels": ids}
+
+    def run(build: Any, make: Any, mode: str = "estimated") -> tuple[int, list[str]]:
+        result = estimate(build, make, batch_size=2, precision="bf16", mode=mode)
+        return result.peak, [note for note in result.notes if note.startswith("Hugging Face builds")]
+
+    llama = functools.partial(LlamaForCausalLM, LlamaConfig(**shape))
+    (fake, notes), (real, _) = run(llama, padded), run(llama, padded, "tracked")
+    assert fake - real == 360_448 and len(notes) == 1 and "a real batch with neither skips it" in notes[0]
+    windowed = functools.partial(MistralForCausalLM, MistralConfig(sliding_window=64, **shape))
+    for make in (plain, padded):
+        (fake, notes), (real, _) = run(windowed, make), run(windowed, make, "tracked")
+        assert fake == real and notes == []
+
+
+def test_fused_attention_wraps_transformers_mask_checks_only_while_active():
+    """Both checks wrapped inside, transformers' own again after (an error in the block too); a wrapper an interrupted
+    exit left is not wrapped again, and the next exit puts the original back."""
+    need_zoo(vision=False)
+    import transformers.masking_utils as masking
+
+    from nbmem.estimation.attention import _CHECKS, FusedAttention
+
+    originals = {name: getattr(masking, name) for name in _CHECKS}
+    with pytest.raises(KeyError):
+        with FusedAttention():
+            inside = {name: getattr(masking, name) for name in _CHECKS}
+            raise KeyError("the user's error")
+    assert all(inside[name].args[1] is originals[name] for name in _CHECKS)
+    assert {name: getattr(masking, name) for name in _CHECKS} == originals
+    masking.find_packed_sequence_indices = inside["find_packed_sequence_indices"]  # what a cut-short exit leaves
+    try:
+        with FusedAttention():
+            assert masking.find_packed_sequence_indices is inside["find_packed_sequence_indices"]
+        assert {name: getattr(masking, name) for name in _CHECKS} == originals
+    finally:
+        masking.find_packed_sequence_indices = originals["find_packed_sequence_indices"]

@@ -34,7 +34,10 @@ where a real run passes ``enable_gqa=True``: a 2-layer Llama over 4 x 512
 tokens was estimated 4.9 % (bf16) and 8.4 % (fp32) above its tracked run.
 Position ids the batch brings (a packing collator's; noted by
 :func:`batch_positions` as the step makes its batch) are left to
-transformers, as is an ``attention_mask``, whose padding fake tensors can't show.
+transformers, as is an ``attention_mask``, whose padding fake tensors can't
+show; where either made transformers build a mask that readable values might
+have spared (``_ignore_causal_mask_sdpa`` would skip it without padding), a
+note says so. Masks a real run builds too (a sliding window, a bias) get none.
 
 >>> q = torch.randn(1, 2, 16, 8, requires_grad=True)
 >>> with FusedAttention() as attention:
@@ -79,16 +82,21 @@ class FusedAttention(ScopedKernels):
         #: calls given a mask on fake tensors, and whether the model is Hugging Face's (estimate_plan sets it)
         self.masked = 0
         self.hugging_face = False
-        self._positions: Any = None  # transformers.masking_utils, while its packing check is wrapped
+        #: masks transformers built because it couldn't read a fake attention_mask or position_ids
+        self.unread = 0
+        self._masking: Any = None  # transformers.masking_utils, while its checks are wrapped
+        self._skip_wrapped = False  # whether its padding check is one of them (a transformers that has it)
 
     def __enter__(self) -> FusedAttention:
         entered: FusedAttention = super().__enter__()
         try:
             masking: Any = sys.modules.get("transformers.masking_utils")  # imported by any model that uses it
-            check = getattr(masking, "find_packed_sequence_indices", None)
-            if check is not None and not _ours(check):  # ours already: one an interrupted exit left
-                self._positions = masking  # first: an exit finds it whatever comes next
-                masking.find_packed_sequence_indices = functools.partial(_packed_sequences, check)
+            self._masking = masking  # first: an exit finds it whatever comes next
+            for name, wrapper in _CHECKS.items():
+                check = getattr(masking, name, None)
+                if check is not None and not _ours(check):  # ours already: one an interrupted exit left
+                    setattr(masking, name, functools.partial(wrapper, self, check))
+                    self._skip_wrapped |= wrapper is _causal_skip
         except BaseException:  # Ctrl-C: no exit will come for an enter that did not return
             self.__exit__()
             raise
@@ -96,11 +104,11 @@ class FusedAttention(ScopedKernels):
 
     def __exit__(self, *exc_info: object) -> None:
         try:
-            masking = self._positions
-            wrapped: Any = getattr(masking, "find_packed_sequence_indices", None)
-            if _ours(wrapped):
-                masking.find_packed_sequence_indices = wrapped.args[0]
-            self._positions = None
+            for name in _CHECKS:
+                wrapped: Any = getattr(self._masking, name, None)
+                if _ours(wrapped):
+                    setattr(self._masking, name, wrapped.args[1])
+            self._masking = None
         finally:  # whatever line Ctrl-C lands on above, the kernels go (a wrapper left acts on fake tensors only)
             super().__exit__(*exc_info)
 
@@ -148,11 +156,11 @@ class FusedAttention(ScopedKernels):
                 f"attention: {self.with_dropout // steps} calls per step with dropout run without it, as CUDA's fused kernels save no "
                 "dropout mask (they regenerate it)"
             )
-        if self.hugging_face and self.masked:
+        if self.hugging_face and self.masked and (self.unread or not self._skip_wrapped):
             notes.append(
                 "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, which can't show "
-                "whether a batch has padding or packed sequences: a real batch with neither may skip it and take "
-                "that much less"
+                "whether the batch's attention_mask has padding or its position_ids pack sequences: a real batch with "
+                "neither skips it and takes that much less"
             )
         if self.grouped_math and self.grouped:
             query_heads, key_heads = self.grouped
@@ -187,17 +195,37 @@ def batch_positions(batch: Any) -> None:
 
 
 def _ours(check: Any) -> bool:
-    return isinstance(check, functools.partial) and check.func is _packed_sequences
+    return isinstance(check, functools.partial) and check.func in _CHECKS.values()
 
 
-def _packed_sequences(check: Any, position_ids: torch.Tensor) -> Any:
+def _packed_sequences(attention: FusedAttention, check: Any, position_ids: torch.Tensor) -> Any:
     """transformers' packing check, answered as on real tensors for fake position ids the model made (an arange)."""
+    if not isinstance(position_ids, FakeTensor):
+        return check(position_ids)
     base = position_ids._base
-    if isinstance(position_ids, FakeTensor) and base is not None and base.dim() == 1:
+    if base is not None and base.dim() == 1:
         storage = position_ids.untyped_storage()._cdata
         if not any(brought.untyped_storage()._cdata == storage for brought in list(_BATCH_POSITIONS)):
             return None  # one sequence per row: what the check finds on the real arange
-    return check(position_ids)
+    packed = check(position_ids)
+    attention.unread += packed is not None  # it can't read fake ids: "packed", a mask built
+    return packed
+
+
+def _causal_skip(attention: FusedAttention, check: Any, *args: Any, **kwargs: Any) -> bool:
+    """transformers' check whether SDPA's is_causal can stand in for a mask, counting the fake padding it couldn't read."""
+    padding = args[0] if args else kwargs.get("padding_mask")
+    skip: bool = check(*args, **kwargs)
+    if not skip and isinstance(padding, FakeTensor):
+        unpadded: tuple[tuple[Any, ...], dict[str, Any]] = (
+            ((None, *args[1:]), kwargs) if args else ((), {**kwargs, "padding_mask": None}))
+        # without padding it would skip the mask: what decided was that the values can't be read
+        attention.unread += bool(check(*unpadded[0], **unpadded[1]))
+    return skip
+
+
+#: transformers.masking_utils' checks wrapped while a FusedAttention is active, by name.
+_CHECKS = {"find_packed_sequence_indices": _packed_sequences, "_ignore_causal_mask_sdpa": _causal_skip}
 
 
 def check_attention(attention: Any) -> None:
