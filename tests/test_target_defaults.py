@@ -53,6 +53,31 @@ def test_a_fused_kernel_saves_no_attention_matrix_even_with_dropout() -> None:
     assert not torch._C._dispatch_has_kernel_for_dispatch_key("aten::scaled_dot_product_attention", "AutogradCPU")
 
 
+def test_grouped_query_calls_in_fp32_keep_the_attention_matrix_and_name_every_head_shape() -> None:
+    """Two layers with different grouping: the math kernel's attention matrix kept for each, both shapes named."""
+    query, wide, narrow = (torch.randn(1, heads, 64, 16, requires_grad=True) for heads in (4, 2, 1))
+    def attend() -> list[torch.Tensor]:
+        return [nn.functional.scaled_dot_product_attention(query, key, key, enable_gqa=True) for key in (wide, narrow)]
+
+    with without_onednn():
+        with track("cpu") as tracked, FusedAttention() as attention:
+            kept = attend()
+        del kept
+        with track("cpu") as math, torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            kept = attend()
+        del kept
+        with track("cpu") as fused:  # PyTorch's CPU flash kernel: no attention matrix
+            kept = attend()
+    assert len(kept) == 2 and attention.grouped_math == 2 and attention.math == 0
+    assert tracked.result is not None and math.result is not None and fused.result is not None
+    # a fused kernel keeps each call's output (1, 4, 64, 16) fp32, 16384 B, and its log-sum-exp, 4 * 64 * 4 B; the
+    # math kernel also its softmax, (1, 4, 64, 64) fp32, 65536 B, and the key and value repeated over the query heads
+    assert fused.result.peak == 2 * (16384 + 1024)
+    assert tracked.result.peak == math.result.peak > fused.result.peak + 2 * 65536
+    (note,) = [note for note in attention.notes() if "grouped-query" in note]
+    assert "(4 query heads, 2 key/value heads; 4 query heads, 1 key/value head; Hugging Face" in note
+
+
 def test_the_notes_name_the_attention_kernel() -> None:
     class Attend(nn.Module):
         def __init__(self) -> None:

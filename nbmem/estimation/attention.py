@@ -76,9 +76,10 @@ class FusedAttention(ScopedKernels):
         self.with_dropout = 0
         #: calls that needed a gradient and still ran PyTorch's math kernel (saves the attention matrix)
         self.math = 0
-        #: fp32 grouped-query calls (enable_gqa=True), run as PyTorch's math kernel as on CUDA; their heads
+        #: fp32 grouped-query calls (enable_gqa=True), run as PyTorch's math kernel as on CUDA; their heads (query,
+        #: key/value), each shape once in the order met (a model's layers may differ)
         self.grouped_math = 0
-        self.grouped: tuple[int, int] | None = None
+        self.grouped: dict[tuple[int, int], None] = {}
         #: calls given a mask on fake tensors, and whether the model is Hugging Face's (estimate_plan sets it)
         self.masked = 0
         self.hugging_face = False
@@ -130,7 +131,7 @@ class FusedAttention(ScopedKernels):
             # attention no grouping before pytorch/pytorch#191085): PyTorch runs its math kernel, with its
             # dropout (whose mask it keeps)
             self.grouped_math += 1
-            self.grouped = (query.size(-3), key.size(-3))
+            self.grouped[query.size(-3), key.size(-3)] = None
             mask = args[3] if len(args) > 3 else kwargs.pop("attn_mask", None)
             causal = args[5] if len(args) > 5 else kwargs.pop("is_causal", False)
             return _MATH(*args[:3], mask, dropout, causal, None, **kwargs)[0]
@@ -162,11 +163,12 @@ class FusedAttention(ScopedKernels):
                 "whether the batch's attention_mask has padding or its position_ids pack sequences: a real batch with "
                 "neither skips it and takes that much less"
             )
-        if self.grouped_math and self.grouped:
-            query_heads, key_heads = self.grouped
+        if self.grouped_math:
+            heads = "; ".join(f"{query} query heads, {key} key/value head{'s' if key > 1 else ''}"
+                              for query, key in self.grouped)
             notes.append(
-                f"attention: {self.grouped_math // steps} grouped-query calls per step in fp32 ({query_heads} query "
-                f"heads, {key_heads} key/value head{'s' if key_heads > 1 else ''}; Hugging Face passes enable_gqa=True "
+                f"attention: {self.grouped_math // steps} grouped-query calls per step in fp32 ({heads}; Hugging "
+                "Face passes enable_gqa=True "
                 "without a mask) modelled as PyTorch's math kernel, which keeps the attention matrix: CUDA's fused "
                 "kernels take no grouped-query fp32 input (memory-efficient attention takes it from "
                 "pytorch/pytorch#191085 on: with a torch that has it, this is high). An H100 with torch 2.11 ran a "
