@@ -250,6 +250,56 @@ def test_fits_needs_every_reserved_segment_to_fit():
     assert roomy.fits is True and roomy.reserve_failed is None
 
 
+def test_allocated_counts_the_block_the_allocator_gives_as_cuda_does(monkeypatch):
+    """CUDA's allocator counts a block's bytes as allocated and splits a large block only when more than 1 MiB would
+    be left: an 11.5 MiB weight gets a 12 MiB segment (2 MiB-rounded) whole, and counts 12 MiB. Expandable segments
+    map pages to fit (2 MiB pages, split at 512 B): the weight's own bytes."""
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    MiB = 1024**2
+
+    def weight(**keywords):
+        return estimate(lambda: nn.Linear(2944, 1024, bias=False), lambda n: torch.randn(n, 2944), batch_size=1,
+                        task="inference", **keywords).breakdown.category("parameter")
+
+    assert weight() == 12 * MiB
+    assert weight(alloc_conf="expandable_segments:True") == 2944 * 1024 * 4 == 12_058_624
+
+
+def test_bf16_weights_are_laid_out_as_a_loader_would_without_the_fp32_copy_the_cast_let_go():
+    """The fp32 build (a 23 MiB weight in a 24 MiB block) is cast to bf16 and let go: the loader's layout holds only
+    the bf16 weight, an 11.5 MiB tensor in a 12 MiB block it counts whole, and the activations' 2 MiB segment. The
+    last weight cast used to be laid out again in fp32 too: 38 MiB reserved."""
+    MiB = 1024**2
+    result = estimate(lambda: nn.Linear(5888, 1024, bias=False), lambda n: torch.randn(n, 5888), batch_size=1,
+                      task="inference", precision="bf16-weights")
+    assert (result.breakdown.category("parameter"), result.reserved) == (12 * MiB, 14 * MiB)
+
+
+def test_a_tracker_fed_a_simulation_charges_each_storage_its_block():
+    """New, resized and reused: each storage counts as the block the simulated allocator holds for it."""
+    from nbmem.core.allocator import CachingAllocatorSimulation
+    from nbmem.tracking.tracker import Tracker
+
+    MiB = 1024**2
+    tracker = Tracker("cpu")
+    tracker.simulator = CachingAllocatorSimulation()
+    with tracker:
+        grown = torch.empty(0)
+        grown.resize_(2944 * 1024)  # 11.5 MiB: a 12 MiB segment, not split for 0.5 MiB
+        assert tracker.allocated() == 12 * MiB
+        kept = torch.empty(2944 * 1024)
+        del grown
+        reused = torch.empty(11 * MiB // 4)  # the freed 12 MiB block: 1 MiB left is not more than 1 MiB, unsplit
+        assert tracker.allocated() == tracker.simulator.allocated == 24 * MiB
+        assert tracker.record_of(reused).asked == 11 * MiB and tracker.record_of(kept).size == 12 * MiB
+    untracked = Tracker("cpu")
+    with untracked:
+        alone = torch.empty(2944 * 1024)
+        assert untracked.allocated() == 2944 * 1024 * 4  # no simulation: the bytes, rounded to 512
+    del kept, reused, alone
+
+
 def test_the_allocator_settings_change_the_simulated_reserved_figure(monkeypatch):
     # one 1200 MiB weight (15360 x 20480 fp32, no bias) and a few KiB of activations in a 2 MiB small segment
     build = lambda: nn.Linear(15360, 20480, bias=False)  # noqa: E731
@@ -264,9 +314,10 @@ def test_the_allocator_settings_change_the_simulated_reserved_figure(monkeypatch
     plain = reserved()
     assert plain.reserved == (1200 + 2) * MiB
     assert any("one stream, the allocator's default settings" in note for note in plain.notes)
-    # four steps between 1024 and 2048 MiB: the weight's block is 1280 MiB
+    # four steps between 1024 and 2048 MiB: the weight's block is 1280 MiB, and counts as allocated, as CUDA's
+    # allocator counts a block; the batch's 61,440 B become 65,536 B (four steps between 32 and 64 KiB)
     rounded = reserved(alloc_conf="roundup_power2_divisions:4")
-    assert (rounded.peak, rounded.reserved) == (plain.peak, (1280 + 2) * MiB)
+    assert (rounded.peak, rounded.reserved) == (plain.peak + 80 * MiB + 4096, (1280 + 2) * MiB)
     assert any("roundup_power2_divisions:4 (from alloc_conf)" in note for note in rounded.notes)
     # read from the environment when not given, as CUDA would read it
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "roundup_power2_divisions:4")

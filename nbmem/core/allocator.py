@@ -149,11 +149,13 @@ class CachingAllocatorSimulation:
     #: actions (segment_alloc, segment_free, segment_map, segment_unmap), for an exported snapshot.
     log: list[tuple[str, _Segment, int, int]] | None = None
 
-    def malloc(self, key: object, nbytes: int) -> None:
-        """Allocate ``nbytes`` (as requested) for ``key``; raises MemoryError past ``capacity`` when strict."""
+    def malloc(self, key: object, nbytes: int) -> int:
+        """Allocate ``nbytes`` (as requested) for ``key``: the block's bytes, which count as allocated (a cached block
+        less than 1 MiB larger than asked is not split: CUDA counts it whole). MemoryError past ``capacity`` if strict.
+        """
         size = round_request(nbytes, self.settings)
         if size == 0:
-            return
+            return 0
         small = size <= SMALL_SIZE
         block = self._get_free_block(small, size)
         if block is None:
@@ -191,6 +193,12 @@ class CachingAllocatorSimulation:
         self._blocks[key] = block
         self.allocated += block.size
         self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block.size
+
+    def block_size(self, key: object, default: int = 0) -> int:
+        """Bytes of the block live under ``key`` (``default`` if there is none)."""
+        block = self._blocks.get(key)
+        return default if block is None else block.size
 
     def free(self, key: object) -> None:
         block = self._blocks.pop(key, None)
@@ -485,9 +493,12 @@ class StepRecording:
         self.inner = inner
         self.events: list[tuple[bool, object, int]] = []  # (malloc?, key, bytes asked for)
 
-    def malloc(self, key: object, nbytes: int) -> None:
+    def malloc(self, key: object, nbytes: int) -> int:
         self.events.append((True, key, nbytes))
-        self.inner.malloc(key, nbytes)
+        return int(self.inner.malloc(key, nbytes))
+
+    def block_size(self, key: object, default: int = 0) -> int:
+        return int(self.inner.block_size(key, default))
 
     def free(self, key: object) -> None:
         self.events.append((False, key, self.inner.requested(key)))

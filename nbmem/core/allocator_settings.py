@@ -136,9 +136,11 @@ class AllocatorSettings:
         }
 
     def simulation_notes(self) -> list[str]:
-        """What a reserved figure simulated under these settings assumed, for a result's notes."""
-        return [f"reserved is simulated by PyTorch's caching-allocator rules: one stream, {self.describe()}, "
-                "no cudaMalloc rounding by the driver", *self.caveats()]
+        """What figures simulated under these settings assumed, for a result's notes."""
+        return [f"allocated and reserved are simulated by PyTorch's caching-allocator rules: one stream, "
+                f"{self.describe()}, no cudaMalloc rounding by the driver; each tensor counts as its block, as "
+                "torch.cuda.memory_allocated counts it (a cached block less than 1 MiB larger than asked is given "
+                "whole)", *self.caveats()]
 
     def caveats(self) -> list[str]:
         """The settings given that the simulation leaves out, each said with why."""

@@ -24,10 +24,12 @@ __all__ = ["StorageRecord", "PeakDetail", "Recording", "VirtualOOM", "rebuild_co
 class StorageRecord:
     """What the tracker knows of one live (or, in a recording, past) storage."""
 
-    __slots__ = ("size", "category", "module", "born", "died", "op", "shape", "dtype", "line")
+    __slots__ = ("size", "category", "module", "born", "died", "op", "shape", "dtype", "line", "asked")
 
-    def __init__(self, size: int, born: int, op: Any, module: str | None, shape: tuple[int, ...], dtype: Any) -> None:
-        self.size = size
+    def __init__(self, size: int, born: int, op: Any, module: str | None, shape: tuple[int, ...], dtype: Any,
+                 asked: int | None = None) -> None:
+        self.size = size  # bytes counted: the block an allocator simulation gave, where one is fed
+        self.asked = size if asked is None else asked  # its bytes rounded to the allocator's 512 B, as asked for
         self.category = "other"
         self.module = module
         self.born = born  # op index; -1 for storages made before tracking saw them

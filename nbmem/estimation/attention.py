@@ -172,7 +172,7 @@ class FusedAttention(ScopedKernels):
                 "without a mask) modelled as PyTorch's math kernel, which keeps the attention matrix: CUDA's fused "
                 "kernels take no grouped-query fp32 input (memory-efficient attention takes it from "
                 "pytorch/pytorch#191085 on: with a torch that has it, this is high). An H100 with torch 2.11 ran a "
-                "small Llama's fp32 step so, 2.0 % above this estimate (benchmarks/bench_attention_kernels.py)"
+                "small Llama's fp32 step so, 0.45 % above this estimate (benchmarks/bench_attention_kernels.py)"
             )
         if self.math:
             notes.append(

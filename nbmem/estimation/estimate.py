@@ -319,7 +319,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             if (precision.endswith("-weights") or plan.quantized is not None) and feed is not None:
                 # a real loader puts the weights on the GPU in their own dtype (or quantized): the fp32 build and
                 # its cast, which only nbmem's copy of the model went through, never reach its allocator (issue 24)
+                tracker.drain()  # first: the fp32 weights the cast let go are not laid again
                 tracker.simulator = feed = feed.relaid()
+                tracker.recharge()  # each weight charged the block it holds there
             make_optimizer = optimizer_factory(optimizer)
             if plan.optimizer_in_backward:
                 make_optimizer = in_backward(make_optimizer)

@@ -92,9 +92,14 @@ class WithWorkspaces:
         for index in range(workspaces.count):
             self.whole.malloc(("cuBLAS workspace", index), workspaces.each)
 
-    def malloc(self, key: object, nbytes: int) -> None:
-        self.tensors.malloc(key, nbytes)
+    def malloc(self, key: object, nbytes: int) -> int:
+        """The tensors' block for ``key``: what the step's allocated figures count (workspaces are not the step's)."""
+        size = self.tensors.malloc(key, nbytes)
         self.whole.malloc(key, nbytes)
+        return size
+
+    def block_size(self, key: object, default: int = 0) -> int:
+        return self.tensors.block_size(key, default)
 
     def free(self, key: object) -> None:
         self.tensors.free(key)

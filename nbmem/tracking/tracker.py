@@ -84,7 +84,8 @@ class Tracker(Activation, HostMemory):
         self.capacity_label = ""
         #: What the last virtual out-of-memory error saw (see VirtualOOM).
         self.last_oom: VirtualOOM | None = None
-        #: A CachingAllocatorSimulation fed every allocation and free, when set.
+        #: A CachingAllocatorSimulation fed every allocation and free, when set; each storage is then charged the
+        #: block it gives (an estimate's figures are the CUDA allocator's allocated bytes)
         self.simulator: Any = None
         #: Whether a storage first seen as an op's input is counted ("adopted"):
         #: one made before tracking began, or made where no dispatch mode sees it
@@ -106,12 +107,9 @@ class Tracker(Activation, HostMemory):
         self._on_device = _device_test(self.device)
         self._storages: dict[int, StorageRecord] = {}
         self._refs: dict[int, weakref.KeyedRef[int, torch.UntypedStorage]] = {}
-        # Storages that died since the last op, on any thread, counted as freed
-        # before the next op (drain). The weakref callback is this deque's
-        # append, C code: no Python runs in it, so Ctrl-C can't land there and
-        # be swallowed as "Exception ignored" (issue 12); and a communication
-        # backend's worker thread letting go of a collective's tensors never
-        # changes the counters, which only this thread's drain does.
+        # Storages that died since the last op, on any thread, counted as freed before the next op (drain). The
+        # weakref callback is this deque's append, C code: Ctrl-C can't land there and be swallowed (issue 12), and
+        # another thread letting go of tensors never changes the counters, which only this thread's drain does.
         self._foreign: collections.deque[weakref.KeyedRef[int, torch.UntypedStorage]] = collections.deque()
         # Updates of the records and counters begun and not finished (module docstring): above zero
         # between ops only if Ctrl-C cut one short. A count, not a flag: updates finishing later don't hide it.
@@ -120,8 +118,7 @@ class Tracker(Activation, HostMemory):
         self._modules: dict[str | None, int] = {}
         self._allocated = 0
         self._peak = 0
-        # The breakdown at the running peak. Taken lazily: while nothing has been
-        # freed or reclassified since the peak, the live counters *are* the peak.
+        # The breakdown at the running peak, taken lazily: until a free or reclassification the live counters are it
         self._peak_detail: PeakDetail | None = None
         self._peak_op: tuple[int, Any, str | None] = (0, None, None)
         self._adopted = 0
@@ -156,12 +153,9 @@ class Tracker(Activation, HostMemory):
         return None
 
     def running_figures(self) -> tuple[int, int]:
-        """(allocated, peak) as counted so far, read from any thread: plain reads, no drain.
-
-        The live gauge (nbmem.frontend.live_gauge) reads this from its timer thread while
-        the cell's thread counts; draining there would race the cell's own
-        drain. Storages that died since the last op are still in the figures.
-        """
+        """(allocated, peak) as counted so far: plain reads from any thread, no drain (the live gauge's timer thread,
+        nbmem.frontend.live_gauge: a drain there would race the cell's own). Storages that died since the last op
+        are still in the figures."""
         return self._allocated, self._peak
 
     def peak_allocated(self) -> int:
@@ -317,6 +311,12 @@ class Tracker(Activation, HostMemory):
             self.capacity = capacity
         return sum(record.size for key, record in self._storages.items() if key not in known)
 
+    def recharge(self) -> None:
+        """Charge each live storage the block its simulator holds for it now (an estimate's weights re-laid)."""
+        for key, record in self._storages.items():
+            record.size = self.simulator.block_size(key, record.size)
+        self.reconcile()
+
     def reconcile(self) -> None:
         """Make the counters agree with the records again after Ctrl-C cut an update short (see rebuild_counters)."""
         self._drain_dead()
@@ -443,7 +443,7 @@ class Tracker(Activation, HostMemory):
             if record is not None:
                 # an in-place op's or a view's output: resized only if its rounded size changed
                 # (round_allocation, inline: this runs for most ops)
-                if not adopt and -(-storage.nbytes() // self.block) * self.block != record.size:
+                if not adopt and -(-storage.nbytes() // self.block) * self.block != record.asked:
                     self._resized(key, record, storage.nbytes())
                 return
             if (held := self.outside.get(key)) is not None and held() is storage:  # not a dead one's key
@@ -470,13 +470,15 @@ class Tracker(Activation, HostMemory):
             # torch.tensor(ndarray) wraps the array before copying it (issue 12). Shared memory can't resize
             # either, but is counted: a DataLoader worker's batch, which a GPU would hold (see nbmem.tracking.live)
             return
-        size = -(-storage.nbytes() // self.block) * self.block  # round_allocation, inline: once per new storage
+        size = asked = -(-storage.nbytes() // self.block) * self.block  # round_allocation, inline: once per new storage
         if not adopt and self.capacity is not None:
             self._check_capacity(size, storage)
+        if self.simulator is not None:  # the block it gives, as CUDA's allocator counts it (a cached one may be larger)
+            size = self.simulator.malloc(key, size)
         attribution = self._attribution
         module = attribution.current_module() if attribution is not None else None
         record = StorageRecord(size, -1 if adopt else self._op_index, None if adopt else self._op, module,
-                               tuple(tensor.shape), tensor.dtype)
+                               tuple(tensor.shape), tensor.dtype, asked)
         ref = weakref.KeyedRef(storage, self._foreign.append, key)
         self._unfinished += 1  # until the counters include it (module docstring)
         # one line, no call between the two stores: no line event (a trace function's) and no signal
@@ -484,8 +486,6 @@ class Tracker(Activation, HostMemory):
         self._storages[key], self._refs[key] = record, ref
         if self._lines is not None:
             self._lines.made(record, adopt)
-        if self.simulator is not None:
-            self.simulator.malloc(key, size)
         self._categories["other"] += size
         self._modules[module] = self._modules.get(module, 0) + size
         if self._recordings:
@@ -509,8 +509,12 @@ class Tracker(Activation, HostMemory):
         """A storage resized in place (out= arguments, resize_, set_, ``storage.resize_``): count the change."""
         __tracebackhide__ = True
         size = round_allocation(nbytes, self.block)
-        if size == record.size:
+        if size == record.asked:
             return
+        record.asked = size
+        if self.simulator is not None:  # the block the new size gets
+            self.simulator.free(key)
+            size = self.simulator.malloc(key, size) if size else 0
         if size > record.size:
             self._check_capacity(size - record.size)
         elif self._allocated == self._peak:
@@ -521,10 +525,6 @@ class Tracker(Activation, HostMemory):
         growth, record.size = size - record.size, size
         if self._lines is not None:
             self._lines.resized(record, growth)
-        if self.simulator is not None:
-            self.simulator.free(key)
-            if size:
-                self.simulator.malloc(key, size)
         self._grow(growth, record.module)
         self._unfinished -= 1
 
