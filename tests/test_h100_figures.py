@@ -74,6 +74,21 @@ def test_where_pytorchs_kernels_run_estimates_meet_issue_24s_targets(replayed: l
     assert not any(note in (RNN_NOTE, CONV_NOTE) for row in plain for note in row["notes"])
 
 
+def test_counting_blocks_and_one_byte_dropout_masks_as_the_gpu_does_brings_all_21_within_1_percent(
+        replayed: list[dict[str, Any]]) -> None:
+    """Each tensor counted as the block the simulated allocator gives it (CUDA counts blocks: a cached block less
+    than 1 MiB larger than asked is not split) and dropout's mask one byte an element, as CUDA's fused kernel keeps
+    it: the 21 steps went from a median of 0.57 % and a worst of 2.2 % to these (2026-11-26)."""
+    plain = [row for row in replayed if row["model"] not in CUDNN]
+    errors = {(row["model"], row["precision"], row["checkpointing"], row["optimizer"]):
+              round(_error(row["today"], row["measured"]), 4) for row in plain}
+    assert max(map(abs, errors.values())) <= 0.01, errors
+    assert statistics.median(map(abs, errors.values())) <= 0.005, errors
+    assert sum(row["today"] == row["measured"] for row in plain) >= 6, errors  # the MLP's and encoder's, at least
+    reserved = [abs(_error(row["today_reserved"], row["measured_reserved"])) for row in plain]
+    assert statistics.median(reserved) <= 0.01
+
+
 def test_adamws_steps_on_plain_layers_are_the_h100s_to_the_byte(replayed: list[dict[str, Any]]) -> None:
     """The MLP's and the transformer encoder's AdamW steps: what the H100's allocator allocated, to the byte.
 

@@ -3,8 +3,8 @@
 The fake-tensor mode (:mod:`.fakemode`), building models without memory
 (:mod:`.building`), the training step, nbmem's own or the user's
 (:mod:`.step`, :mod:`.userstep`, :mod:`.tasks`), fine-tuning choices
-(:mod:`.finetune`), CUDA's autocast policy and attention kernels followed on a
-CPU (:mod:`.autocast_policy`, :mod:`.attention`, :mod:`.kernels`), data
+(:mod:`.finetune`), CUDA's autocast policy, attention and dropout kernels followed
+on a CPU (:mod:`.autocast_policy`, :mod:`.attention`, :mod:`.dropout`, :mod:`.kernels`), data
 parallelism (:mod:`.parallel`), quantized weights and low-bit optimizers through
 bitsandbytes' and torchao's own code (:mod:`.quantization`, :mod:`.quantized_layers`,
 :mod:`.quantized_kernels`, :mod:`.low_bit`), what it can't run and says so

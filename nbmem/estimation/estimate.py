@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .attention import FusedAttention, set_attention
+from .dropout import FusedDropout
 from .finetune import TrainedWatch, apply_trainable
 from .autocast_policy import CudaAutocastPolicy
 from .building import (
@@ -51,6 +52,7 @@ from .result import Estimate
 from .plan import MODES, OPTIMIZERS, PRECISIONS, Plan, optimizer_name, real_rank, run_device
 from ..tracking.compiled import eager_stance
 from .unsupported import bitsandbytes_message, compiled_note, from_bitsandbytes
+from ..core.devices import PRESETS
 from ..core.results import allocator_of
 from ..tracking.accelerators import device_counter
 from ..tracking.host_counters import HostStepCounters
@@ -284,6 +286,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     # an estimate leaves the objects made before it out of the collector's scans (tracking.live)
     unscanned = older_objects_unscanned() if fake_mode is not None else contextlib.nullcontext()
     planned = plan.compile and compile_unplanned(notes) is None  # compile=True, and this torch's inductor can plan
+    # dropout as CUDA's and XPU's fused kernel keeps it (not MPS's); inductor's plan follows its own lowering
+    on_mps = getattr(PRESETS.get(label or ""), "backend", "cuda") == "mps"
+    dropout = FusedDropout() if mode != "measured" and not planned and not on_mps else None
     planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
@@ -370,7 +375,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else None
             if kernels is not None:
                 follow_cuda(network)
-            for rule in (policy, attention, kernels):  # CUDA's autocast lists, attention and bitsandbytes kernels
+            for rule in (policy, attention, dropout, kernels):  # CUDA's autocast lists, attention, dropout, bitsandbytes
                 if rule is not None:
                     target_rules.enter_context(rule)
             if not planned and (fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM)):  # a tracked torchao optimizer too
@@ -432,6 +437,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         )
     if attention is not None:
         notes += attention.notes(steps=2)
+    if dropout is not None:
+        notes += dropout.notes(steps=2 if task == "train" else 1)
     if kernels is not None:
         notes += kernels.notes(steps=2 if task == "train" else 1)
     if mode == "measured":
