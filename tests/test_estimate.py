@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from torch import nn
@@ -274,6 +276,29 @@ def test_bf16_weights_are_laid_out_as_a_loader_would_without_the_fp32_copy_the_c
     result = estimate(lambda: nn.Linear(5888, 1024, bias=False), lambda n: torch.randn(n, 5888), batch_size=1,
                       task="inference", precision="bf16-weights")
     assert (result.breakdown.category("parameter"), result.reserved) == (12 * MiB, 14 * MiB)
+
+
+def test_a_recharge_keeps_the_peaks_breakdown_summing_to_the_peak():
+    """After the fp32 build and its cast, a loader's layout charges a bf16 weight a smaller block than the build's
+    allocator history gave it: the counters change below the peak, and the peak's breakdown stays the peak's."""
+    from nbmem.tracking.tracker import Tracker
+
+    seen = []
+    recharge = Tracker.recharge
+
+    def watched(tracker: Tracker) -> None:
+        before = sum(record.size for record in tracker._storages.values())
+        recharge(tracker)
+        seen.append((before, tracker.allocated(), tracker.peak_allocated(),
+                     sum(tracker.peak_detail().categories.values())))
+
+    build = lambda: nn.Sequential(nn.Linear(1024, 3072, bias=False), nn.Linear(3072, 1963, bias=False))  # noqa: E731
+    with mock.patch.object(Tracker, "recharge", watched):
+        estimate(build, lambda n: torch.randn(n, 1024), batch_size=1, task="inference", precision="bf16-weights",
+                 timeline=True)
+    ((before, after, peak, at_peak),) = seen
+    assert before - after == 12_582_912 - 3072 * 1963 * 2  # the 11.5 MiB weight: a 12 MiB block, then its own bytes
+    assert at_peak == peak > after
 
 
 def test_a_tracker_fed_a_simulation_charges_each_storage_its_block():

@@ -76,8 +76,8 @@ def test_where_pytorchs_kernels_run_estimates_meet_issue_24s_targets(replayed: l
 
 def test_counting_blocks_and_one_byte_dropout_masks_as_the_gpu_does_brings_all_21_within_1_percent(
         replayed: list[dict[str, Any]]) -> None:
-    """Each tensor counted as the block the simulated allocator gives it (CUDA counts blocks: a cached block less
-    than 1 MiB larger than asked is not split) and dropout's mask one byte an element, as CUDA's fused kernel keeps
+    """Each tensor counted as the block the simulated allocator gives it (CUDA counts blocks: a block at most
+    1 MiB larger than asked is not split) and dropout's mask one byte an element, as CUDA's fused kernel keeps
     it: the 21 steps went from a median of 0.57 % and a worst of 2.2 % to these (2026-11-26)."""
     plain = [row for row in replayed if row["model"] not in CUDNN]
     errors = {(row["model"], row["precision"], row["checkpointing"], row["optimizer"]):

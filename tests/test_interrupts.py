@@ -442,3 +442,81 @@ def test_gpumem_on_stops_at_the_next_cell_a_scope_whose_stop_a_ctrl_c_cut_off(sh
     shell.run_cell("x = 1")  # ...until the next cell begins
     shell.run_cell("%gpumem off")
     assert leftovers(model) == []
+
+
+@pytest.mark.parametrize("simulated", [False, True], ids=["tracker", "with an allocator simulation"])
+@pytest.mark.parametrize("grow", [True, False], ids=["resize_ grows", "storage.resize_ shrinks"])
+def test_an_interrupt_at_every_line_of_a_resize_is_counted_right_by_the_next_op(grow: bool, simulated: bool) -> None:
+    """Ctrl-C at each line of Tracker._resized (a tensor grown by resize_, a storage shrunk as FSDP2 does): the next
+    op on the storage counts it at its real size (its block, with a simulation), not the size before the resize."""
+    from nbmem.core.allocator import CachingAllocatorSimulation
+    from nbmem.tracking.tracker import Tracker
+
+    target = 100_000 if grow else 1000
+
+    def made() -> tuple[Tracker, torch.Tensor]:
+        tracker = Tracker("cpu")
+        tracker.simulator = CachingAllocatorSimulation() if simulated else None
+        with tracker:
+            keep = torch.empty(1000 if grow else 100_000)
+        return tracker, keep
+
+    def resize(tracker: Tracker, keep: torch.Tensor) -> None:
+        with tracker:
+            keep.resize_(target) if grow else keep.untyped_storage().resize_(target * 4)
+
+    code = Tracker._resized.__code__
+    lines: list[int] = []
+
+    def listing(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is code:
+            lines.append(frame.f_lineno) if event == "line" else None
+            return listing
+        return None
+
+    sys.settrace(listing)
+    try:
+        resize(*made())
+    finally:
+        sys.settrace(None)
+    assert len(lines) > 8
+    for line in lines:
+        tracker, keep = made()
+
+        def interrupt(frame: Any, event: str, arg: Any, line: int = line) -> Any:
+            if frame.f_code is code:
+                if event == "line" and frame.f_lineno == line:
+                    raise KeyboardInterrupt
+                return interrupt
+            return None
+
+        sys.settrace(interrupt)
+        try:
+            resize(tracker, keep)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        with tracker:  # the next cell uses the storage again
+            torch.empty(0).set_(keep.untyped_storage()).add_(1)
+        key = keep.untyped_storage()._cdata
+        truth = (tracker.simulator.block_size(key) if simulated
+                 else -(-keep.untyped_storage().nbytes() // 512) * 512)
+        assert tracker.allocated() == truth, (line, tracker.allocated(), truth)
+        if simulated:
+            assert tracker.simulator.allocated == truth, line
+
+
+def test_a_resize_past_a_virtual_capacity_is_refused_again_by_the_next_op() -> None:
+    """The refused resize happened on the CPU: the next op that uses the storage meets the capacity again, rather than
+    going on with the storage counted at its old size."""
+    from nbmem.tracking.tracker import Tracker
+
+    tracker = Tracker("cpu")
+    tracker.capacity = 100_000
+    with tracker:
+        keep = torch.empty(1000)  # 4096 B
+    for _ in range(2):
+        with pytest.raises(torch.OutOfMemoryError), tracker:
+            keep.resize_(100_000) if keep.numel() < 100_000 else keep.add_(1)
+    assert tracker.allocated() == 4096

@@ -120,6 +120,7 @@ class CachingAllocatorSimulation:
 
     >>> simulation = CachingAllocatorSimulation()
     >>> simulation.malloc("a", 4)            # one float: a 512 B block in a new 2 MiB segment
+    512
     >>> simulation.allocated, simulation.reserved
     (512, 2097152)
     """
@@ -151,7 +152,7 @@ class CachingAllocatorSimulation:
 
     def malloc(self, key: object, nbytes: int) -> int:
         """Allocate ``nbytes`` (as requested) for ``key``: the block's bytes, which count as allocated (a cached block
-        less than 1 MiB larger than asked is not split: CUDA counts it whole). MemoryError past ``capacity`` if strict.
+        at most 1 MiB larger than asked is not split: CUDA counts it whole). MemoryError past ``capacity`` if strict.
         """
         size = round_request(nbytes, self.settings)
         if size == 0:

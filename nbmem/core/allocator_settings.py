@@ -139,8 +139,8 @@ class AllocatorSettings:
         """What figures simulated under these settings assumed, for a result's notes."""
         return [f"allocated and reserved are simulated by PyTorch's caching-allocator rules: one stream, "
                 f"{self.describe()}, no cudaMalloc rounding by the driver; each tensor counts as its block, as "
-                "torch.cuda.memory_allocated counts it (a cached block less than 1 MiB larger than asked is given "
-                "whole)", *self.caveats()]
+                "torch.cuda.memory_allocated counts it (a block at most 1 MiB larger than asked is not split; the "
+                "settings can make blocks larger)", *self.caveats()]
 
     def caveats(self) -> list[str]:
         """The settings given that the simulation leaves out, each said with why."""

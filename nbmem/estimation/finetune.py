@@ -281,7 +281,7 @@ def _device_of(model: nn.Module) -> torch.device:
 
 @dataclass(frozen=True)
 class Trained:
-    """What the trained parameters themselves hold, read from the tracker's own records (512 B blocks).
+    """What the trained parameters themselves hold, read from the tracker's own records (the blocks it counts).
 
     ``parameter_bytes`` are the trained parameters' storages, ``gradient_bytes``
     their gradients (the largest each reached in a step; None when no gradient

@@ -1,27 +1,22 @@
 """Tracked mode: account every tensor storage on a device, without CUDA.
 
-A ``TorchDispatchMode`` sees every ATen operation: factory functions
-(``torch.empty``, ``torch.randn``), module construction (``nn.Linear`` builds
-its parameters with ``torch.empty``), autograd's backward (``.grad``) and the
-optimizer (its state comes from ``zeros_like``). Each output storage nbmem has
-not seen is counted at its size rounded as the CUDA allocator would round it,
-and a weak reference to the storage removes it again the moment it is freed;
-nbmem never keeps a tensor or storage alive.
+A ``TorchDispatchMode`` sees every ATen operation: factory functions (``torch.empty``, ``torch.randn``), module
+construction (``nn.Linear`` builds its parameters with ``torch.empty``), autograd's backward (``.grad``) and the
+optimizer (its state comes from ``zeros_like``). Each output storage nbmem has not seen is counted at its size
+rounded as the CUDA allocator would round it, and a weak reference to the storage removes it again the moment it
+is freed; nbmem never keeps a tensor or storage alive.
 
-Storages made before tracking began are found when a scope opens
-(:meth:`Tracker.adopt_live`, see :mod:`nbmem.tracking.live`) or when an operation uses
-them as input: they count as already allocated when the scope began ("adopted").
+Storages made before tracking began are found when a scope opens (:meth:`Tracker.adopt_live`, see
+:mod:`nbmem.tracking.live`) or when an operation uses them as input: allocated when the scope began ("adopted").
 
-Ctrl-C may land at any bytecode (issue 12). Installing and removing are all or
-nothing (see :mod:`nbmem.tracking.installed`); a storage's death is queued by a weakref
-callback that runs no Python code (``deque.append``), and counted before the
-next op, so an interrupt can never be swallowed inside it; and
-:meth:`Tracker.reconcile` rebuilds the counters from the records when an
-interrupt cut an update short: each update counts itself in ``_unfinished``
-from its first change to its last, and the next op, drain or scope that finds
-one unfinished reconciles. Not only when the interrupt ends a scope: a loop
-that stops on Ctrl-C (``except KeyboardInterrupt: break``) ends it without an
-error, and a record parted from its weak reference stayed counted for good.
+Ctrl-C may land at any bytecode (issue 12). Installing and removing are all or nothing (see
+:mod:`nbmem.tracking.installed`); a storage's death is queued by a weakref callback that runs no Python code
+(``deque.append``), and counted before the next op, so an interrupt can never be swallowed inside it; and
+:meth:`Tracker.reconcile` rebuilds the counters from the records when an interrupt cut an update short: each
+update counts itself in ``_unfinished`` from its first change to its last, and the next op, drain or scope that
+finds one unfinished reconciles. Not only when the interrupt ends a scope: a loop that stops on Ctrl-C (``except
+KeyboardInterrupt: break``) ends it without an error, and a record parted from its weak reference stayed counted
+for good. With an allocator simulation fed (an estimate), each storage counts as the block it gives.
 """
 
 from __future__ import annotations
@@ -313,9 +308,13 @@ class Tracker(Activation, HostMemory):
 
     def recharge(self) -> None:
         """Charge each live storage the block its simulator holds for it now (an estimate's weights re-laid)."""
+        self._settle_peak()  # the peak's breakdown as it was: the sizes change now, not at the peak
+        detail = self._peak_detail
         for key, record in self._storages.items():
             record.size = self.simulator.block_size(key, record.size)
         self.reconcile()
+        if self._allocated < self._peak:
+            self._peak_detail = detail
 
     def reconcile(self) -> None:
         """Make the counters agree with the records again after Ctrl-C cut an update short (see rebuild_counters)."""
@@ -508,21 +507,22 @@ class Tracker(Activation, HostMemory):
     def _resized(self, key: int, record: StorageRecord, nbytes: int) -> None:
         """A storage resized in place (out= arguments, resize_, set_, ``storage.resize_``): count the change."""
         __tracebackhide__ = True
-        size = round_allocation(nbytes, self.block)
-        if size == record.asked:
+        size = asked = round_allocation(nbytes, self.block)
+        if asked == record.asked:
             return
-        record.asked = size
-        if self.simulator is not None:  # the block the new size gets
-            self.simulator.free(key)
-            size = self.simulator.malloc(key, size) if size else 0
-        if size > record.size:
-            self._check_capacity(size - record.size)
+        if asked > record.asked:
+            self._check_capacity(asked - record.asked)
         elif self._allocated == self._peak:
             self._settle_peak()
         self._unfinished += 1  # until the record and the counters have the new size (module docstring)
-        self._categories[record.category] += size - record.size
-        self._modules[record.module] += size - record.size
-        growth, record.size = size - record.size, size
+        if self.simulator is not None:  # the block the new size gets
+            self.simulator.free(key)
+            size = self.simulator.malloc(key, asked) if asked else 0
+        growth = size - record.size
+        self._categories[record.category] += growth
+        self._modules[record.module] += growth
+        # asked last, with the size: until then the next op sees the resize as not counted and counts it again
+        record.size, record.asked = size, asked
         if self._lines is not None:
             self._lines.resized(record, growth)
         self._grow(growth, record.module)
