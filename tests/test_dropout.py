@@ -49,7 +49,7 @@ def test_an_estimate_for_a_gpu_keeps_one_byte_masks_and_for_a_mac_the_inputs_dty
     gpu, mac = (estimate(build, make, batch_size=4096, optimizer="sgd", device=device)
                 for device in ("H100-80GB", "Mac-16GB"))
     assert mac.peak - gpu.peak == 4096 * 1024 * (4 - 1)
-    assert any(note.startswith("dropout: 1 calls per step keep a one-byte mask") for note in gpu.notes)
+    assert any(note.startswith("dropout: 1 call per step (recomputed ones too) ran as a GPU's fused kernel") for note in gpu.notes)
     assert not any(note.startswith("dropout:") for note in mac.notes)
     tracked = estimate(build, make, batch_size=4096, optimizer="sgd", device="H100-80GB", mode="tracked")
     assert (tracked.first_step, tracked.steady) == (gpu.first_step, gpu.steady)  # real CPU tensors, the same bytes

@@ -6,8 +6,8 @@ In training, ``dropout`` on a CUDA, XPU or PrivateUse1 tensor runs
 and some elements). On the CPU (and on MPS) it multiplies the input by a
 noise tensor of the input's dtype, which autograd saves: 4 bytes an element
 in fp32 where the GPU keeps 1. A small GPT-2 has 13 dropouts on its hidden
-states; its fp32 estimate held 19.5 MiB more than an H100 did at the peak
-(the 2026-11-25 campaign), exactly those masks' difference. Hugging Face's
+states; estimated so, its fp32 step held 19.5 MiB more at the peak than an
+H100 measured (the 2026-11-25 campaign): exactly those masks' difference. Hugging Face's
 eager attention drops out its (batch, heads, sequence, sequence) weights the
 same way.
 
@@ -61,5 +61,7 @@ class FusedDropout(ScopedKernels):
         """What the estimate assumed about dropout in each of ``steps`` steps (none without dropout in training)."""
         if not self.calls:
             return []
-        return [f"dropout: {self.calls // steps} calls per step keep a one-byte mask, as a GPU's fused kernel "
-                "(native_dropout) does; on a CPU or MPS, PyTorch keeps a mask of the input's dtype"]
+        calls = self.calls // steps
+        return [f"dropout: {calls} call{'s' if calls != 1 else ''} per step (recomputed ones too) ran as a GPU's fused "
+                "kernel (native_dropout), which keeps a one-byte mask where backward needs one; on a CPU or MPS, "
+                "PyTorch keeps a mask of the input's dtype"]

@@ -4,7 +4,8 @@
 subclass registers its kernels on entering, removes every one on leaving (an
 exception or Ctrl-C included: the dispatcher then uses PyTorch's own kernels
 again), and allows one active instance of itself at a time. Used by
-:mod:`nbmem.estimation.autocast_policy` and :mod:`nbmem.estimation.attention`.
+:mod:`nbmem.estimation.autocast_policy`, :mod:`nbmem.estimation.attention` and
+:mod:`nbmem.estimation.dropout`.
 
 >>> class Nothing(ScopedKernels):
 ...     def register(self, library):
