@@ -132,7 +132,7 @@ class FusedAttention(ScopedKernels):
             # dropout (whose mask it keeps)
             self.grouped_math += 1
             self.grouped[query.size(-3), key.size(-3)] = None
-            mask = args[3] if len(args) > 3 else kwargs.pop("attn_mask", None)
+            kwargs.pop("attn_mask", None)  # read above, passed on by position
             causal = args[5] if len(args) > 5 else kwargs.pop("is_causal", False)
             return _MATH(*args[:3], mask, dropout, causal, None, **kwargs)[0]
         if dropout:

@@ -517,7 +517,7 @@ class Tracker(Activation, HostMemory):
         self._unfinished += 1  # until the record and the counters have the new size (module docstring)
         if self.simulator is not None:  # the block the new size gets
             self.simulator.free(key)
-            size = self.simulator.malloc(key, asked) if asked else 0
+            size = self.simulator.malloc(key, asked)  # 0 for a storage resized to nothing
         growth = size - record.size
         self._categories[record.category] += growth
         self._modules[record.module] += growth
