@@ -102,6 +102,16 @@ def llama() -> nn.Module:
     return LlamaForCausalLM(llama_config())
 
 
+def mixtral() -> nn.Module:
+    """A mixture of experts (4, two per token): transformers 5 runs them as grouped products (torch._grouped_mm)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=SEQUENCE, **_TEXT,
+    ))
+
+
 def _bert_config(**extra: Any) -> Any:
     from transformers import BertConfig
 
@@ -173,6 +183,7 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], bool]] = {
     "t5": (t5, causal_lm_batch, False),
     "hf-vit": (hf_vit, image_dict_batch, False),
     "lora-llama": (lora_llama, padded_batch, False),
+    "mixtral": (mixtral, causal_lm_batch, False),
     # timm's test_* models are its own tiny configurations of each family
     "timm-resnet": (_timm("test_resnet"), image_batch, True),
     "timm-vit": (_timm("test_vit", img_size=IMAGE), image_batch, True),

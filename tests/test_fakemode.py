@@ -493,3 +493,67 @@ def test_nbmems_own_cache_of_kept_outputs_never_grows_past_its_limit(monkeypatch
         for size in range(1, 8):  # seven shapes, seven keys
             torch._foreach_sqrt([torch.empty(size)])
             assert 1 <= len(cache) <= 3
+
+
+
+def _transposed(*shape: int) -> torch.Tensor:
+    return torch.empty(*shape[:-2], shape[-1], shape[-2]).transpose(-2, -1)
+
+
+_GROUPED = {  # PyTorch's four layouts, and one whose output rows are padded (5 columns): (mat_a, mat_b, offsets)
+    "2d-3d": (lambda: torch.empty(12, 16), lambda: torch.empty(3, 16, 24), [4, 8, 12]),
+    "2d-3d-padded": (lambda: torch.empty(12, 16), lambda: _transposed(3, 16, 5), [4, 8, 12]),
+    "3d-2d": (lambda: torch.empty(3, 4, 16), lambda: torch.empty(16, 24), [8, 16, 24]),
+    "2d-2d": (lambda: torch.empty(4, 24), lambda: torch.empty(24, 8), [8, 16, 24]),
+    "3d-3d": (lambda: torch.empty(3, 4, 16), lambda: torch.empty(3, 16, 8), None),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", list(_GROUPED))
+def test_grouped_mm_is_made_as_the_kernel_makes_it_in_every_dtype_it_takes(layout, dtype):
+    """torch 2.13's meta function refuses all but bf16; the kernels (CPU, CUDA) multiply fp32 and fp16 too,
+    into an output whose rows are padded to 16 bytes: the estimate makes the kernel's output, bytes and strides."""
+    a, b, offsets = _GROUPED[layout]
+
+    def run() -> torch.Tensor:
+        offs = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+        return torch._grouped_mm(a().to(dtype).zero_(), b().to(dtype).zero_(), offs=offs)
+
+    real = run() if layout != "2d-3d-padded" else None
+    if real is None:  # .to() of the transposed weight would make it contiguous: keep its layout
+        offs = torch.tensor(offsets, dtype=torch.int32)
+        real = torch._grouped_mm(torch.zeros(12, 16, dtype=dtype),
+                                 torch.zeros(3, 5, 16, dtype=dtype).transpose(-2, -1), offs=offs)
+    with FastKeyFakeTensorMode() as mode:
+        if layout == "2d-3d-padded":
+            made = torch._grouped_mm(torch.empty(12, 16, dtype=dtype),
+                                     torch.empty(3, 5, 16, dtype=dtype).transpose(-2, -1),
+                                     offs=torch.tensor(offsets, dtype=torch.int32))
+        else:
+            made = run()
+    assert made.fake_mode is mode and mode._nbmem_grouped_mm == 1
+    assert (made.shape, made.stride(), made.dtype) == (real.shape, real.stride(), real.dtype)
+    assert made.untyped_storage().nbytes() == real.untyped_storage().nbytes()
+    if layout == "2d-3d-padded":
+        assert made.stride() == (8, 1)  # 5 columns padded to 16 bytes in fp32 (4) and bf16/fp16 (8): 8
+
+
+@pytest.mark.parametrize("a, b, offsets, message", [
+    (torch.empty(12, 16, dtype=torch.float64), torch.empty(3, 16, 8, dtype=torch.float64), [4, 8, 12],
+     "Float32, BFloat16 or Float16"),
+    (torch.empty(12, 16), torch.empty(3, 16, 8, dtype=torch.bfloat16), [4, 8, 12], "same dtype"),
+    (torch.empty(12, 16), torch.empty(3, 16, 8), None, "offsets"),
+    (torch.empty(12, 16), torch.empty(3, 12, 8), [4, 8, 12], "contraction dimension"),
+    (torch.empty(12, 16), torch.empty(3, 16, 6), [4, 8, 12], "16 bytes"),
+])
+def test_grouped_mm_refuses_what_the_kernel_refuses(a, b, offsets, message):
+    """The real kernel's checks, with its words, on fake tensors too: a step that fails on a GPU fails here."""
+    offs = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    with pytest.raises(RuntimeError) as real:
+        torch._grouped_mm(a, b, offs=offs)
+    with FastKeyFakeTensorMode(), pytest.raises(RuntimeError, match=message) as fake:
+        fake_offs = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+        torch._grouped_mm(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype),
+                          torch.empty_strided(b.shape, b.stride(), dtype=b.dtype), offs=fake_offs)
+    assert message.lower() in str(real.value).lower()

@@ -26,6 +26,7 @@ from torch import nn
 
 from .attention import FusedAttention, set_attention
 from .dropout import FusedDropout
+from .fakemode import grouped_mm_notes
 from .finetune import TrainedWatch, apply_trainable
 from .autocast_policy import CudaAutocastPolicy
 from .building import (
@@ -441,6 +442,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes += dropout.notes(steps=2 if task == "train" else 1)
     if kernels is not None:
         notes += kernels.notes(steps=2 if task == "train" else 1)
+    notes += grouped_mm_notes(fake_mode, steps=2 if task == "train" else 1)
     if mode == "measured":
         notes.append(
             f"measured by {allocator_of(str(run_on))}, relative to what was allocated before; it includes the "
