@@ -149,6 +149,16 @@ def hf_vit() -> nn.Module:
     ))
 
 
+def hf_swin() -> nn.Module:
+    """Swin: its patch merging hands layer norm's backward a transposed gradient (see FastKeyFakeTensorMode)."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    return SwinForImageClassification(SwinConfig(
+        image_size=IMAGE, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2], window_size=4,
+        num_labels=CLASSES,
+    ))
+
+
 def lora_llama() -> nn.Module:
     """Llama with LoRA adapters on the attention's q and v projections: only the adapters train."""
     from peft import LoraConfig, get_peft_model
@@ -182,6 +192,7 @@ ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[int], Any], bool]] = {
     "bert-classifier": (bert_classifier, sequence_label_batch, False),
     "t5": (t5, causal_lm_batch, False),
     "hf-vit": (hf_vit, image_dict_batch, False),
+    "hf-swin": (hf_swin, image_dict_batch, False),
     "lora-llama": (lora_llama, padded_batch, False),
     "mixtral": (mixtral, causal_lm_batch, False),
     # timm's test_* models are its own tiny configurations of each family

@@ -557,3 +557,24 @@ def test_grouped_mm_refuses_what_the_kernel_refuses(a, b, offsets, message):
         torch._grouped_mm(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype),
                           torch.empty_strided(b.shape, b.stride(), dtype=b.dtype), offs=fake_offs)
     assert message.lower() in str(real.value).lower()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norms_backward_gives_a_contiguous_gradient_as_its_kernel_does(dtype):
+    """Given a transposed incoming gradient, the kernel's input gradient is contiguous (empty_like(input,
+    LEGACY_CONTIGUOUS_MEMORY_FORMAT)); PyTorch's meta function gave it the incoming gradient's strides."""
+
+    def run() -> tuple[torch.Tensor, ...]:
+        grad = torch.ones(2, 32, 16, dtype=dtype).transpose(1, 2)
+        values, statistics = torch.ones(2, 16, 32, dtype=dtype), torch.ones(2, 16, 1, dtype=dtype)
+        return torch.ops.aten.native_layer_norm_backward(grad, values, [32], statistics, statistics,
+                                                         torch.ones(32, dtype=dtype), torch.ones(32, dtype=dtype),
+                                                         [True, True, True])
+
+    real = run()
+    with FastKeyFakeTensorMode() as mode:
+        made = run()
+    assert made[0].fake_mode is mode
+    assert [(tensor.shape, tensor.stride(), tensor.dtype) for tensor in made] == [
+        (tensor.shape, tensor.stride(), tensor.dtype) for tensor in real]
+    assert made[0].stride() == (512, 32, 1)

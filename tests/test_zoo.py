@@ -54,7 +54,7 @@ ZOO_PARAMETERS = [
     "knobs", CONFIGURATIONS, ids=lambda knobs: ",".join(f"{k}={v}" for k, v in knobs.items()) or "fp32-adamw"
 )
 def test_real_model_estimate_agrees_with_a_tracked_run(name, knobs):
-    """GPT-2, Llama, BERT (masked LM, classifier), T5, a ViT, a LoRA Llama, a Mixtral (mixture of experts: its
+    """GPT-2, Llama, BERT (masked LM, classifier), T5, a ViT, a Swin, a LoRA Llama, a Mixtral (mixture of experts: its
     grouped products, which torch 2.13's meta function refuses in fp32) (transformers + peft); timm's ResNet,
     ViT, ConvNeXt and EfficientNet; torchvision's LR-ASPP segmentation, each in the six CONFIGURATIONS: the
     estimate on fake tensors gives the tracked run's bytes, both steps, to the byte; vision models under
