@@ -1,6 +1,7 @@
 """Estimation: a training step's memory before anything runs, on fake tensors.
 
-The fake-tensor mode (:mod:`.fakemode`), building models without memory
+The fake-tensor mode (:mod:`.fakemode`), with the ops whose outputs it makes as
+the kernels do rather than as PyTorch's meta functions do (:mod:`.kernel_outputs`), building models without memory
 (:mod:`.building`), the training step, nbmem's own or the user's
 (:mod:`.step`, :mod:`.userstep`, :mod:`.tasks`), fine-tuning choices
 (:mod:`.finetune`), CUDA's autocast policy, attention and dropout kernels followed

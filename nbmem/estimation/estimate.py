@@ -26,7 +26,7 @@ from torch import nn
 
 from .attention import FusedAttention, set_attention
 from .dropout import FusedDropout
-from .fakemode import grouped_mm_notes
+from .kernel_outputs import grouped_mm_notes
 from .finetune import TrainedWatch, apply_trainable
 from .autocast_policy import CudaAutocastPolicy
 from .building import (

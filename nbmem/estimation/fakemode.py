@@ -12,10 +12,8 @@ in tests/test_fakemode.py) directly for the common case, a dense tensor of
 this mode without symbolic sizes, and leaves every other argument to PyTorch.
 Equal keys mean equal cache hits, so estimates are unchanged to the byte.
 
-Three ops make what the kernels make where PyTorch's meta functions don't: a
-reduced loss keeps its elementwise buffer, ``_grouped_mm`` (mixture-of-
-experts layers) takes fp32 and fp16 as well as bf16, and layer norm's
-backward gives a contiguous gradient.
+Where PyTorch's meta functions make other outputs than the kernels, the
+ops in :mod:`nbmem.estimation.kernel_outputs` make the kernels'.
 
 Where PyTorch's metadata fields are not the ones this was written against
 (another torch version), :func:`new_fake_mode` returns a plain
@@ -39,8 +37,9 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..tracking.dispatch import SKIPS_BY_CODE, after_op, before_op, skip_dynamo
+from .kernel_outputs import KERNEL_OUTPUTS
 
-__all__ = ["new_fake_mode", "FastKeyFakeTensorMode", "grouped_mm_notes"]
+__all__ = ["new_fake_mode", "FastKeyFakeTensorMode"]
 
 #: TensorMetadata's fields in torch 2.13 (torch/_subclasses/fake_tensor.py): the
 #: order _flatten_into appends them in, which _flatten_dense follows.
@@ -76,13 +75,6 @@ _DEVICE = torch.ops.prim.device.default
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
-#: Losses whose reduced scalar keeps the unreduced buffer's storage (see FastKeyFakeTensorMode._reduced_in_place).
-_REDUCED_IN_PLACE = frozenset({torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
-                               torch.ops.aten.soft_margin_loss.default})
-#: Grouped matrix products (mixture-of-experts layers): see FastKeyFakeTensorMode._grouped_mm (None: no such op)
-_GROUPED_MM = getattr(getattr(torch.ops.aten, "_grouped_mm", None), "default", None)
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 _META = torch.device("meta")
 _get_dispatch_mode, _FAKE_KEY = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
@@ -104,7 +96,7 @@ class FastKeyFakeTensorMode(FakeTensorMode):
     #: attribute (a weak reference is copied as it is; a tracker can't be copied).
     _nbmem_tracker: Any = None
     _nbmem_inside = False
-    #: ``_grouped_mm`` calls made (see :meth:`_grouped_mm` and :func:`grouped_mm_notes`)
+    #: ``_grouped_mm`` calls made (see :mod:`nbmem.estimation.kernel_outputs`)
     _nbmem_grouped_mm = 0
 
     @classmethod
@@ -173,10 +165,9 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         estimate has none): the same key and the same cached entry as
         ``_cached_dispatch_impl``, the output made as
         ``_output_from_cache_entry`` makes it, without its per-value checks
-        for symbolic sizes, which only a ShapeEnv creates. Reduced losses,
-        grouped products and layer norm's backward: as their kernels make
-        them (:meth:`_reduced_in_place`, :meth:`_grouped_mm`,
-        :meth:`_layer_norm_backward`). A foreach op that
+        for symbolic sizes, which only a ShapeEnv creates. The ops whose
+        meta functions make other outputs than their kernels: as the kernels
+        make them (:mod:`nbmem.estimation.kernel_outputs`). A foreach op that
         returns new tensors, and bitsandbytes' ops: see :meth:`_kept`. Everything else (misses,
         bypasses, symbolic shapes, debug logging,
         cross-checking) goes to PyTorch's own method.
@@ -194,12 +185,8 @@ class FastKeyFakeTensorMode(FakeTensorMode):
             lifted = self._lifted(args[0])
             if lifted is not None:
                 return lifted
-        if func in _REDUCED_IN_PLACE and self.shape_env is None:
-            return self._reduced_in_place(func, types, args, kwargs)
-        if func is _GROUPED_MM and self.shape_env is None and all(self._ours(arg) for arg in args[:2]):
-            return self._grouped_mm(*args, **(kwargs or {}))
-        if func is _LAYER_NORM_BACKWARD and self.shape_env is None:
-            return self._layer_norm_backward(types, args, kwargs)
+        if self.shape_env is None and (made_as_kernels := KERNEL_OUTPUTS.get(func)) is not None:
+            return made_as_kernels(self, func, types, args, kwargs or {})
         if func is _UNSAFE_VIEW and self.shape_env is None:
             # fake_impls answers _unsafe_view with the very function it answers view with, but PyTorch's cache
             # refuses _unsafe_view ("unsafe view": 150 us each through _reshape_view_helper, 2,306 in a 7B QLoRA
@@ -233,29 +220,6 @@ class FastKeyFakeTensorMode(FakeTensorMode):
                 if func.namespace in _KEPT_NAMESPACES or func.name().startswith("aten::_foreach_"):
                     return self._kept(key, func, types, args, kwargs)
         return super().dispatch(func, types, args, kwargs if kwargs is not None else {})
-
-    def _reduced_in_place(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
-        """A loss ATen reduces into its elementwise buffer: the scalar holds that buffer's storage, as a real one does.
-
-        ``mse_loss``, ``smooth_l1_loss`` and ``soft_margin_loss`` with a mean
-        or sum reduction return a 0-dim tensor whose storage holds one value
-        per input element: ATen's structured kernel allocates its output at
-        the inputs' broadcast size, then resizes it to a scalar, which keeps
-        the storage (Loss.cpp, the same code on CPU and CUDA; on the CPU:
-        1,280 B behind the loss of a 32 x 10 input, where PyTorch's meta
-        function makes 4 B). It lives as long as the loss (through
-        backward), and so here. Untested on CUDA (the test device, whose
-        kernels are the CPU's, showed it).
-        """
-        out = super().dispatch(func, types, args, kwargs or {})
-        reduction = (kwargs or {}).get("reduction", args[2] if len(args) > 2 else 1)
-        if reduction == 0 or not isinstance(out, FakeTensor) or out.dim() != 0:
-            return out
-        values = torch.broadcast_shapes(args[0].shape, args[1].shape).numel()
-        with torch._C._DisableTorchDispatch():
-            buffer = torch.empty((max(values, 1),), dtype=out.dtype, device=_META)
-            scalar = buffer.as_strided((), (), 0)
-        return self._fake_tensor(scalar, out.fake_device)
 
     def _lifted(self, real: torch.Tensor) -> FakeTensor | None:
         """``torch.tensor(number)`` under this mode: a fake tensor holding a copy of the real one as its constant.
@@ -352,83 +316,6 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         for value in hashed_by_id:  # an entry keyed by an object's id goes with the object
             weakref.finalize(value, functools.partial(_INTERNALS["evict_fake_tensor_cache_key"], key=key))
         return key
-
-    def _layer_norm_backward(self, types: Any, args: Any, kwargs: Any) -> Any:
-        """``native_layer_norm_backward`` with its input's gradient contiguous, as its kernels make it.
-
-        The CPU and CUDA kernels allocate it as ``empty_like(input,
-        LEGACY_CONTIGUOUS_MEMORY_FORMAT)`` (layer_norm.cpp,
-        layer_norm_kernel.cu); PyTorch's meta function (its decomposition)
-        gives it the incoming gradient's strides, so where that gradient is
-        a transposed view (Swin's patch merging) the next reshape copied it
-        on fake tensors alone: 4,096 B more in a tiny Swin's step than a
-        tracked run of it.
-        """
-        out = super().dispatch(_LAYER_NORM_BACKWARD, types, args, kwargs or {})
-        grad = out[0]
-        if type(grad) is not FakeTensor or grad.fake_mode is not self or grad.is_contiguous():
-            return out
-        with torch._C._DisableTorchDispatch():
-            made = torch.empty(grad.shape, dtype=grad.dtype, device=_META)
-        return (self._fake_tensor(made, grad.fake_device), *out[1:])
-
-    def _ours(self, value: Any) -> bool:
-        return type(value) is FakeTensor and value.fake_mode is self
-
-    def _grouped_mm(self, mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = None, out_dtype: Any = None) -> Any:
-        """``_grouped_mm``'s output as its CPU and CUDA kernels make it, in each dtype they take.
-
-        torch 2.13's meta function refuses anything but bf16 (its CUTLASS
-        path's rule), where the kernels also multiply fp32 and fp16 (as a loop
-        of ``mm``: GroupedMMUtils.h, ``_grouped_mm_fallback``). transformers 5
-        calls it for every mixture-of-experts layer (Mixtral, Qwen-MoE, OLMoE:
-        ``integrations/moe.py``) in the weights' dtype, so an fp32 estimate of
-        them failed. The output is ``create_grouped_gemm_output_tensor``'s:
-        rows padded to 16 bytes (for the Hopper kernel's TMA; CPU and CUDA
-        builds alike). Checked as the kernel checks its inputs.
-        """
-        __tracebackhide__ = True
-        for name, mat in (("mat_a", mat_a), ("mat_b", mat_b)):
-            torch._check(mat.dtype in _GROUPED_MM_DTYPES,
-                         lambda: f"Expected {name} to be Float32, BFloat16 or Float16 matrix, got {mat.dtype}")
-            torch._check(mat.dim() in (2, 3), lambda: f"{name} has to be 2 or 3d")
-        for mat in (mat_a, mat_b):  # row- or column-major, the other stride a multiple of 16 bytes
-            rows, columns = mat.stride()[-2:]
-            alignment = 16 // mat.element_size()
-            if rows == 1 and columns >= max(1, mat.shape[-2]):
-                torch._check(columns % alignment == 0, lambda: "strides should be multiple of 16 bytes")
-            else:
-                torch._check(columns == 1 and rows >= max(1, mat.shape[-1]),
-                             lambda: f"Invalid strides/sizes, got {mat.stride()} for strides and {mat.shape} for sizes")
-                torch._check(rows % alignment == 0, lambda: "strides should be multiple of 16 bytes")
-        torch._check(mat_a.dtype == mat_b.dtype,
-                     lambda: f"expected m1 and m2 to have the same dtype, but got: {mat_a.dtype} != {mat_b.dtype}")
-        torch._check(bias is None, lambda: "Bias not supported yet")
-        torch._check(out_dtype is None or out_dtype == mat_a.dtype,
-                     lambda: "Grouped gemm output dtype must match `mat_a` dtype")
-        self._nbmem_grouped_mm += 1
-        a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
-        torch._check((offs is not None) == (a_2d or b_2d), lambda: "Have to provide offsets if there is a 2d matrix")
-        if not (a_2d and b_2d):
-            torch._check(mat_a.size(-1) == mat_b.size(-2),
-                         lambda: "contraction dimension of mat_a and mat_b must match")
-        if a_2d and b_2d:
-            size = [offs.size(0), mat_a.size(0), mat_b.size(1)]
-        elif a_2d:
-            torch._check(offs.size(0) == mat_b.size(0), lambda: "matrix batch sizes have to match")
-            size = [mat_a.size(0), mat_b.size(-1)]
-        elif b_2d:
-            torch._check(offs.size(0) == mat_a.size(0), lambda: "matrix batch sizes have to match")
-            size = [mat_a.size(1), mat_b.size(1)]
-        else:
-            torch._check(mat_a.size(0) == mat_b.size(0), lambda: "batched dimension has to match")
-            size = [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-        alignment = 16 // mat_a.element_size()
-        padded = -(-size[-1] // alignment) * alignment
-        stride = [padded, 1] if a_2d != b_2d else [size[1] * padded, padded, 1]
-        with torch._C._DisableTorchDispatch():
-            out = torch.empty_strided(size, stride, dtype=mat_a.dtype, device=_META)
-        return self._fake_tensor(out, mat_a.fake_device)
 
     def _from_cache(self, info: Any, key: Any, func: Any, args: Any) -> Any:
         """``_get_output_tensor_from_cache_entry`` without a ShapeEnv: every cached size is a plain int."""
@@ -567,17 +454,6 @@ def _flatten_dense(result: list[object], tensor: Any) -> None:
         tensor.requires_grad, tensor.is_quantized, tensor.is_conj(), tensor.is_neg(), tensor.is_inference(),
         False, None, None, None,  # is_sparse, is_coalesced, dense_dim, sparse_dim: a strided tensor's
     )
-
-
-def grouped_mm_notes(mode: Any, steps: int = 1) -> list[str]:
-    """What an estimate assumed about mixture-of-experts layers' grouped products (none if none ran in ``mode``)."""
-    calls = getattr(mode, "_nbmem_grouped_mm", 0) // steps
-    if not calls:
-        return []
-    return [f"mixture of experts: {calls} grouped matrix product{'s' if calls != 1 else ''} per step "
-            "(torch._grouped_mm, recomputed ones too) with the outputs PyTorch's kernels make; in bf16 on a Hopper "
-            "or Blackwell GPU its CUTLASS kernel also takes a small argument buffer and a workspace during each call "
-            "(not modelled; untested on CUDA)"]
 
 
 def new_fake_mode() -> FakeTensorMode:
