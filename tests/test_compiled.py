@@ -298,6 +298,24 @@ def test_compile_first_used_inside_a_block_is_said_to_be_unknown():
     assert out.stdout.split() == ["unknown"]
 
 
+@pytest.mark.slow  # a fresh interpreter: Dynamo first loaded inside the block, nothing compiled
+def test_dynamo_imported_inside_a_block_without_compiling_is_no_compiled_code():
+    """transformers, torch.utils.flop_counter and an estimate load Dynamo without compiling anything: no claim."""
+    source = textwrap.dedent(
+        """
+        import sys, torch, nbmem
+        assert "torch._dynamo" not in sys.modules
+        with nbmem.track("cpu", engine="dispatch") as scope:
+            import torch._dynamo
+            torch.ones(2) + 1
+        print(scope.result.compiled, [note for note in scope.result.notes if "compile" in note])
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "[]"]
+
+
 @needs_native
 def test_a_native_scope_around_a_dispatch_scope_says_its_compiled_calls_ran_eagerly(eager_compiled):
     _, fast = eager_compiled

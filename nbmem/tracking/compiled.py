@@ -40,7 +40,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
-__all__ = ["watch", "unwatch", "calls_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere"]
+__all__ = ["watch", "unwatch", "calls_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere",
+           "dynamo_saw_frames"]
 
 #: Compiled regions entered while any watch was on, and those of them run eagerly on purpose (only grow).
 _entered = 0
@@ -206,3 +207,13 @@ def eager_stance() -> Iterator[None]:
         return
     with torch.compiler.set_stance("force_eager"):
         yield
+
+
+def dynamo_saw_frames() -> bool:
+    """Whether Dynamo, loaded, has been handed a frame to compile (imported alone, by transformers or an estimate,
+    it has not); True where its internals are not torch 2.13's (then compiled code may have run)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    seen = getattr(getattr(sys.modules.get("torch._dynamo.convert_frame"), "input_codes", None), "seen", None)
+    return seen is None or bool(seen)
+

@@ -441,7 +441,7 @@ class MemoryScope:
         """How compiled code in the block ran ("compiled", "eager", "unknown" or None: none ran), and the notes."""
         calls = self.compiled_calls
         eager = self._runs_a_dispatch_mode()
-        if calls is None and eager and not self._dynamo_before and "torch._dynamo" in sys.modules:
+        if calls is None and eager and not self._dynamo_before and compiled.dynamo_saw_frames():
             return "unknown", [
                 "torch.compile was first used inside this block, so nbmem could not see whether compiled code ran: "
                 "if it did, it ran eagerly under tracking and these figures are the eager code's, and PyTorch, "
