@@ -40,13 +40,14 @@ def tokens(size):
 def test_the_arguments_become_the_estimates_knobs(tmp_path):
     args = arguments(tmp_path, gradient_accumulation_steps=2, gradient_checkpointing=True, optim="adamw_torch_fused")
     read = knobs_from_training_arguments(args)
-    assert read.knobs == {"batch_size": 4, "accumulation": 2, "precision": "fp32", "checkpointing": True,
-                          "optimizer": "adamw-fused"}
+    assert read.knobs == {"batch_size": 4, "accumulation": 2, "hold_output": False, "precision": "fp32",
+                          "checkpointing": True, "optimizer": "adamw-fused"}
     assert read.not_understood == ()
     trainer = Trainer(model=build(), args=args, train_dataset=DATA, data_collator=default_data_collator)
     # the Trainer's model and its dataset through its collator: the same figures as the knobs given by hand
     from_trainer = nbmem.estimate_trainer(trainer)
-    by_hand = nbmem.estimate(build, tokens, batch_size=4, accumulation=2, checkpointing=True, optimizer="adamw-fused")
+    by_hand = nbmem.estimate(build, tokens, batch_size=4, accumulation=2, checkpointing=True, optimizer="adamw-fused",
+                             hold_output=False)
     assert (from_trainer.first_step, from_trainer.steady) == (by_hand.first_step, by_hand.steady)
     assert any(note.startswith("from the training arguments: per_device_train_batch_size=4") for note in from_trainer.notes)
     from_arguments = nbmem.estimate_trainer(args, model=build, batch=tokens)
@@ -71,6 +72,48 @@ def test_settings_nbmem_does_not_estimate_are_named_never_ignored(tmp_path):
     read = knobs_from_training_arguments(args, world_size=4)
     assert (read.knobs["parallel"], read.knobs["world_size"]) == ("fsdp-no-reshard", 4)
     assert read.not_understood == () and read.knobs["cpu_offload"] is True
+
+
+def test_the_trainers_step_drops_the_output_before_backward_and_its_own_optimizer_is_used(tmp_path):
+    """Trainer.training_step: compute_loss returns the loss alone, so the logits are not alive in backward, as
+    nbmem's built-in step holds them (hold_output=False); a Trainer given its own optimizer is estimated with it."""
+    args = arguments(tmp_path, optim="adamw_torch")
+    model = build()
+    trainer = Trainer(model=model, args=args, train_dataset=DATA, data_collator=default_data_collator,
+                      optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
+    result = nbmem.estimate_trainer(trainer)
+    assert result.step.startswith("nbmem's built-in: batch and output dropped once the loss is made")
+    assert result.breakdown.category("optimizer state") == 0  # SGD without momentum keeps none
+    assert "from the training arguments: the Trainer's optimizer: SGD with its defaults (foreach=True, as CUDA " \
+        "defaults)" in result.notes
+    by_hand = nbmem.estimate(build, tokens, batch_size=4, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, foreach=True),
+                             hold_output=False)
+    assert (result.first_step, result.steady) == (by_hand.first_step, by_hand.steady)
+
+
+def test_settings_that_change_the_trainers_memory_are_named(tmp_path):
+    """Checkpointing every other layer, reentrant or offloaded; label smoothing (the Trainer's own loss over the
+    logits); a compile mode or backend other than inductor's default; FSDP1, a wrap policy other than per block,
+    an fsdp_config key nbmem doesn't know; DeepSpeed's own optimizer: each named, none ignored."""
+    read = knobs_from_training_arguments(arguments(
+        tmp_path, gradient_checkpointing=True, label_smoothing_factor=0.1,
+        gradient_checkpointing_kwargs={"every_n_layers": 2, "use_reentrant": True, "preserve_rng_state": False},
+        torch_compile=True, torch_compile_mode="reduce-overhead"))
+    assert [text.split(" (")[0] for text in read.not_understood] == [
+        "activation checkpointing every_n_layers=2", "activation checkpointing use_reentrant=True",
+        "label_smoothing_factor=0.1", "torch_compile_mode='reduce-overhead'"]
+    assert any("(its kwargs {'preserve_rng_state': False} change no memory nbmem counts)" in text for text in read.read)
+    from types import SimpleNamespace
+
+    read = knobs_from_training_arguments(SimpleNamespace(
+        fsdp=True, fsdp_config={"reshard_after_forward": "false", "version": 1, "auto_wrap_policy": "NO_WRAP",
+                                "sharding_group_size": 8}), world_size=2)
+    assert read.knobs["parallel"] == "fsdp-no-reshard"  # "false" is false, as transformers' str_to_bool reads it
+    assert [text.split(" (")[0] for text in read.not_understood] == [
+        "fsdp_config version=1", "fsdp_config auto_wrap_policy='NO_WRAP'", "fsdp_config sharding_group_size=8"]
+    read = knobs_from_training_arguments(SimpleNamespace(
+        deepspeed={"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 2}}), world_size=2)
+    assert read.not_understood[0].startswith("deepspeed optimizer 'AdamW'")
 
 
 def test_the_callback_records_each_step(tmp_path):

@@ -103,6 +103,7 @@ def estimate(
     block: Any = None,
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
+    hold_output: bool = True,
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
     cpu_offload: bool = False,
@@ -154,7 +155,10 @@ def estimate(
     gradient lives between steps; ``zero_grad="keep"`` (a loop that calls
     ``zero_grad(set_to_none=False)``) or ``"before_backward"`` (one that
     zeroes between the loss and ``backward()``) keeps them through the next
-    forward, as those loops do; ``optimizer_in_backward=True`` steps each
+    forward, as those loops do; ``hold_output=False`` drops the batch and the
+    output once the loss is made (Hugging Face's Trainer, ``loss =
+    model(**batch).loss``), so only what autograd saved lives through
+    backward; ``optimizer_in_backward=True`` steps each
     parameter inside backward as soon as its gradient is complete and frees
     the gradient, so the gradients never all live at once. Yours may hold
     more or less: pass
@@ -219,7 +223,7 @@ def estimate(
         mode=mode, enforce_capacity=enforce_capacity, parallel=parallel, world_size=world_size, rank=rank, step=step,
         autocast_policy=autocast_policy, trainable=trainable, task=task, prompt_length=prompt_length,
         new_tokens=new_tokens, alloc_conf=alloc_conf, block=block, checkpoint_saves=checkpoint_saves,
-        zero_grad=zero_grad, optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy,
+        zero_grad=zero_grad, hold_output=hold_output, optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy,
         cpu_offload=cpu_offload, attention=attention, quantization=quantization, compile=compile,
     )
     try:
@@ -360,7 +364,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 scaler = torch.amp.GradScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_step, network, batch, batch_size, plan.loss, opt, scaler, precision,
                                              plan.accumulation, run_on, autocast_region=region,
-                                             zero_grad=plan.zero_grad)
+                                             zero_grad=plan.zero_grad, hold_output=plan.hold_output)
             else:
                 scaler = AlwaysSteppingScaler(run_on.type) if precision == "fp16" else None
                 one_step = functools.partial(run_user_step, step, network, batch, batch_size, opt, scaler, precision,
@@ -493,7 +497,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         world_size=plan.world_size,
         rank=rank,
         notes=tuple(notes),
-        step=step_label(step, plan.zero_grad),
+        step=step_label(step, plan.zero_grad, plan.hold_output),
         trained=trained,
         task=task,
         prompt_length=plan.prompt_length,

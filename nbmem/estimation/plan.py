@@ -95,6 +95,10 @@ class Plan:
     #: Where the built-in step zeroes gradients (nbmem.estimation.step.ZERO_GRAD): "after_step" (set_to_none=True),
     #: "keep" (set_to_none=False: kept, zero-filled), "before_backward" (zero_grad() between the loss and backward).
     zero_grad: str = "after_step"
+    #: Whether the built-in step holds the batch and the model's output until backward returns (True: ``out =
+    #: model(x); loss = f(out); loss.backward()``), or drops them once the loss is made (False: Hugging Face's
+    #: Trainer, whose compute_loss returns the loss alone, or ``loss = model(**batch).loss; loss.backward()``).
+    hold_output: bool = True
     #: The optimizer step fused into backward: each parameter steps (its own optimizer) as soon as its gradient is
     #: complete, and the gradient is freed (nbmem.estimation.optimizers.OptimizerInBackward).
     optimizer_in_backward: bool = False
@@ -205,6 +209,13 @@ class Plan:
         if self.zero_grad != "after_step" and self.step is not None:
             raise ValueError("zero_grad= says where nbmem's built-in step zeroes the gradients, and your step= zeroes "
                              "them itself: leave zero_grad out")
+        if self.hold_output is not True and self.hold_output is not False:
+            raise ValueError(f"hold_output takes True or False, got {self.hold_output!r}")
+        if not self.hold_output and self.step is not None:
+            raise ValueError("hold_output= says what nbmem's built-in step holds through backward, and your step= "
+                             "holds what it holds: leave hold_output out")
+        if not self.hold_output and self.task != "train":
+            raise ValueError(f"hold_output= applies to training, and task={self.task!r} runs no backward: leave it out")
         if self.zero_grad != "after_step" and self.task != "train":
             raise ValueError(f"zero_grad= applies to training, and task={self.task!r} computes no gradients: leave it out")
 
@@ -308,6 +319,8 @@ class Plan:
                 words.append(f"your step {step_name(self.step)}")
             if self.zero_grad != "after_step":
                 words.append(f"zero_grad {self.zero_grad}")
+            if not self.hold_output:
+                words.append("output dropped before backward")
             if self.optimizer_in_backward:
                 words.append("optimizer step in backward")
         if self.parallel != "single":

@@ -158,15 +158,20 @@ def _accepts(step: Callable[..., Any], count: int) -> bool:
     return True
 
 
-def step_label(step: Any, zero_grad: str = "after_step") -> str:
-    """What a result says about the step that ran: the built-in one (None), zeroing as it did, or the user's, by name."""
+def step_label(step: Any, zero_grad: str = "after_step", hold_output: bool = True) -> str:
+    """What a result says about the step that ran: the built-in one (None), zeroing as it did and holding what it
+    held through backward, or the user's, by name."""
     if step is not None:
         return f"yours: {step_name(step)}, run as written"
-    if zero_grad == "after_step":
+    if zero_grad == "after_step" and hold_output:
         return BUILT_IN
     from .step import ZERO_GRAD
 
-    return BUILT_IN.split("; optimizer.step()")[0] + "; " + ZERO_GRAD[zero_grad]
+    held, zeroed = BUILT_IN.split("; optimizer.step()")[0], ZERO_GRAD[zero_grad]
+    if not hold_output:
+        held = ("nbmem's built-in: batch and output dropped once the loss is made (as Hugging Face's Trainer does), "
+                "the loss held until backward returns")
+    return held + "; " + zeroed
 
 
 def step_name(step: Any) -> str:

@@ -164,6 +164,7 @@ def max_batch_size(
     block: Any = None,
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
+    hold_output: bool = True,
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
     cpu_offload: bool = False,
@@ -210,7 +211,8 @@ def max_batch_size(
     segments follow; by default this process's PYTORCH_ALLOC_CONF. ``block``
     names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
-    the built-in step zeroes gradients, ``optimizer_in_backward`` steps each
+    the built-in step zeroes gradients, ``hold_output`` whether it holds the batch and output through backward,
+    ``optimizer_in_backward`` steps each
     parameter inside backward, ``mp_policy`` is FSDP2's mixed precision
     (``cpu_offload`` its CPU offload),
     ``attention`` a Hugging Face model's attention implementation, ``quantization``
@@ -257,7 +259,7 @@ def max_batch_size(
     plan = Plan(batch_size=1, precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss,
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
                 trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
-                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
+                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad, hold_output=hold_output,
                 optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, cpu_offload=cpu_offload,
                 compile=compile, attention=attention,
                 quantization=quantization)

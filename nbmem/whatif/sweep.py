@@ -64,6 +64,7 @@ def sweep(
     block: Any = None,
     checkpoint_saves: Any = None,
     zero_grad: str = "after_step",
+    hold_output: bool = True,
     optimizer_in_backward: bool = False,
     mp_policy: Any = None,
     cpu_offload: bool = False,
@@ -115,7 +116,8 @@ def sweep(
     sets the allocator settings every simulated reserved figure follows;
     ``block`` names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad``
-    where the built-in step zeroes gradients, ``optimizer_in_backward``
+    where the built-in step zeroes gradients, ``hold_output`` whether it holds the batch and output through
+    backward, ``optimizer_in_backward``
     steps each parameter inside backward, ``mp_policy`` is FSDP2's mixed
     precision and ``cpu_offload`` its CPU offload, for the FSDP configurations, and ``attention`` a Hugging Face
     model's attention implementation (see :func:`nbmem.estimate`).
@@ -175,7 +177,7 @@ def sweep(
     planned: list[tuple[tuple[str, Any], ...]] = []  # each configuration's knobs, as its row shows them
     plans: list[Plan] = []  # and what it runs, every one checked before anything runs
     base = dict(loss=loss, foreach=foreach, device=device, step=step, mode=mode, alloc_conf=alloc_conf, block=block,
-                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad,
+                checkpoint_saves=checkpoint_saves, zero_grad=zero_grad, hold_output=hold_output,
                 optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, cpu_offload=cpu_offload,
                 attention=attention,
                 **_enforced(mode, capacity))

@@ -21,6 +21,7 @@ Example (with transformers installed)::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -63,7 +64,8 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
     >>> args = SimpleNamespace(per_device_train_batch_size=4, gradient_accumulation_steps=8, bf16=True, fp16=False,
     ...                        gradient_checkpointing=True, optim="adamw_torch_fused")
     >>> knobs_from_training_arguments(args).knobs
-    {'batch_size': 4, 'accumulation': 8, 'precision': 'bf16', 'checkpointing': True, 'optimizer': 'adamw-fused'}
+    {'batch_size': 4, 'accumulation': 8, 'hold_output': False, 'precision': 'bf16', 'checkpointing': True, \
+'optimizer': 'adamw-fused'}
     """
     knobs: dict[str, Any] = {}
     read: list[str] = []
@@ -77,6 +79,11 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
     knobs["accumulation"] = int(setting("gradient_accumulation_steps", 1))
     read.append(f"per_device_train_batch_size={knobs['batch_size']}, gradient_accumulation_steps="
                 f"{knobs['accumulation']}: batch_size and accumulation")
+    # Trainer.training_step: loss = compute_loss(model, inputs) (the model's outputs are not returned), del inputs,
+    # then backward(loss): only the loss and what autograd saved live through backward
+    knobs["hold_output"] = False
+    read.append("the Trainer's step: compute_loss returns the loss alone and the batch is dropped before backward: "
+                "hold_output=False")
     if setting("bf16", False) and setting("fp16", False):
         unknown.append("bf16=True and fp16=True together (transformers refuses them too)")
     knobs["precision"] = "bf16" if setting("bf16", False) else "fp16" if setting("fp16", False) else "fp32"
@@ -85,9 +92,17 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
     # transformers 5 renamed gradient_checkpointing to activation_checkpointing; both may be there
     if setting("activation_checkpointing", False) or setting("gradient_checkpointing", False):
         knobs["checkpointing"] = True
-        options = setting("activation_checkpointing_kwargs") or setting("gradient_checkpointing_kwargs") or {}
-        read.append("gradient checkpointing: the model's own switch, as the Trainer turns it on"
-                    + (f" (its kwargs {options} change no memory nbmem counts)" if options else ""))
+        options = dict(setting("activation_checkpointing_kwargs") or setting("gradient_checkpointing_kwargs") or {})
+        # the Trainer passes every_n_layers and offload to the model's switch, the rest to torch's checkpoint;
+        # nbmem turns the switch on non-reentrant, every layer, nothing offloaded
+        changed = {key: value for key, value in options.items()
+                   if (key, value) not in (("every_n_layers", 1), ("offload", False), ("use_reentrant", False))
+                   and key in ("every_n_layers", "offload", "use_reentrant")}
+        unknown += [f"activation checkpointing {key}={value!r} (nbmem checkpoints every layer, non-reentrant, "
+                    "nothing offloaded)" for key, value in changed.items()]
+        rest = {key: value for key, value in options.items() if key not in changed}
+        read.append("gradient checkpointing: the model's own switch, as the Trainer turns it on, every layer, "
+                    "non-reentrant" + (f" (its kwargs {rest} change no memory nbmem counts)" if rest else ""))
     optim = str(setting("optim", "adamw_torch"))
     if optim in OPTIM:
         knobs["optimizer"] = OPTIM[optim]
@@ -106,6 +121,16 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
     if setting("deepspeed"):
         _read_deepspeed(setting("deepspeed"), knobs, read, unknown, world_size if world_size is not None else
                         int(setting("world_size", 1) or 1))
+    if setting("label_smoothing_factor", 0):
+        unknown.append(f"label_smoothing_factor={setting('label_smoothing_factor')!r} (the Trainer takes the labels "
+                       "out and smooths the loss over the logits itself: not the model's own loss nbmem runs)")
+    if setting("torch_compile", False):
+        mode, backend = setting("torch_compile_mode"), setting("torch_compile_backend")
+        if mode not in (None, "default"):
+            unknown.append(f"torch_compile_mode={mode!r} (nbmem plans inductor's default mode; CUDA graphs and "
+                           "autotuning are not modelled)")
+        if backend not in (None, "inductor"):
+            unknown.append(f"torch_compile_backend={backend!r} (nbmem plans inductor's memory)")
     if setting("torch_compile", False):
         if knobs.get("parallel", "single") == "single":
             knobs["compile"] = True
@@ -125,8 +150,14 @@ def _read_fsdp(setting: Callable[..., Any], knobs: dict[str, Any], read: list[st
     fsdp = setting("fsdp") or False
     config = dict(setting("fsdp_config") or {})
     size = world_size if world_size is not None else int(setting("world_size", 1) or 1)
+    version = config.pop("version", config.pop("fsdp_version", 2))
+    if fsdp and str(version) != "2":
+        unknown.append(f"fsdp_config version={version!r} (FSDP1: nbmem estimates FSDP2, fully_shard)")
     if fsdp is True:
-        strategy = "fsdp" if config.pop("reshard_after_forward", True) else "fsdp-no-reshard"
+        reshard = config.pop("reshard_after_forward", True)
+        if isinstance(reshard, str):  # transformers reads it with str_to_bool
+            reshard = reshard.strip().lower() in ("y", "yes", "t", "true", "on", "1")
+        strategy = "fsdp" if reshard else "fsdp-no-reshard"
         said = f"fsdp=True, reshard_after_forward={strategy == 'fsdp'}"
     elif fsdp:
         options = [getattr(option, "value", option) for option in (fsdp.split() if isinstance(fsdp, str) else fsdp)]
@@ -134,6 +165,7 @@ def _read_fsdp(setting: Callable[..., Any], knobs: dict[str, Any], read: list[st
                     if option not in _FSDP and option not in ("auto_wrap", "offload")]
         if "offload" in options:
             config["cpu_offload"] = True
+        config.pop("reshard_after_forward", None)  # the options say it
         strategies = [_FSDP[option] for option in options if option in _FSDP]
         strategy, said = (strategies[0] if strategies else ""), f"fsdp={' '.join(options)}"
     else:
@@ -159,11 +191,19 @@ def _read_fsdp(setting: Callable[..., Any], knobs: dict[str, Any], read: list[st
                 read.append(f"fsdp_config {key}: cpu_offload=True (FSDP2's CPUOffloadPolicy)")
         if config.pop("min_num_params", 0):
             unknown.append("fsdp_config min_num_params (units chosen by size are not estimated: block= names them)")
+        policy = config.pop("auto_wrap_policy", None)
+        if policy not in (None, "TRANSFORMER_BASED_WRAP"):
+            unknown.append(f"fsdp_config auto_wrap_policy={policy!r} (nbmem shards each repeated block as a unit)")
+        unknown += [f"fsdp_config {key}={value!r}" for key, value in config.items() if key not in _FSDP_HARMLESS]
     elif size > 1:
         knobs["parallel"], knobs["world_size"] = "ddp", size
         read.append(f"{size} processes, no FSDP: parallel='ddp'")
 
 
+# fsdp_config keys that change no memory nbmem counts (FSDP2 and the launcher's own switches)
+_FSDP_HARMLESS = frozenset({"xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "sync_module_states", "use_orig_params",
+                            "limit_all_gathers", "forward_prefetch", "backward_prefetch", "state_dict_type",
+                            "cpu_ram_efficient_loading", "activation_cpu_offload"})
 # DeepSpeed's ZeRO stages and what each is estimated as (PyTorch's counterparts: nbmem.estimation.parallel)
 _ZERO_STAGES = {1: "zero1", 2: "zero2", 3: "zero3"}
 # DeepSpeed's own buffers, which nbmem does not model: a number given for one is said, never ignored
@@ -186,6 +226,9 @@ def _read_deepspeed(config: Any, knobs: dict[str, Any], read: list[str], unknown
     if not isinstance(config, Mapping):
         unknown.append(f"deepspeed={config!r} (a dict or a JSON file's path is read)")
         return
+    if config.get("optimizer"):  # the Trainer then builds DeepSpeed's optimizer, not args.optim
+        unknown.append(f"deepspeed optimizer {(config['optimizer'] or {}).get('type', '?')!r} (the Trainer builds "
+                       "DeepSpeed's own, not optim=: pass optimizer= for it)")
     zero = dict(config.get("zero_optimization") or {})
     stage = zero.get("stage", 0)
     strategy = _ZERO_STAGES.get(stage, "ddp" if stage == 0 and size > 1 else "")
@@ -260,7 +303,16 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
     if batch is None:
         batch = _dataset_batches(source)
     read = knobs_from_training_arguments(args, world_size)
+    reads, not_understood = list(read.read), list(read.not_understood)
+    own = getattr(source, "optimizer", None) if source is not args else None
+    if own is not None and "optimizer" not in knobs:  # Trainer(optimizers=(...)), or the one it built and kept
+        factory, said = rebuilt_optimizer(own)
+        read = TrainingKnobs({**read.knobs, "optimizer": factory}, tuple(reads), tuple(
+            text for text in not_understood if not text.startswith(("optim=", "optim_args=", "deepspeed optimizer"))))
+        reads = [text for text in reads if not text.startswith("optim=")] + [f"the Trainer's optimizer: {said}"]
     settings = {**read.knobs, **knobs}
+    if "step" in knobs:
+        settings.pop("hold_output", None)  # the user's step holds what it holds
     if settings.get("mode", "estimated") != "estimated" and settings.get("compile") and "compile" not in knobs:
         settings["compile"] = False  # a real run of the step here: torch_compile's plan is an estimate's
     # a knob given explicitly answers for the setting it replaces
@@ -268,7 +320,40 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
     if strict:
         refuse_unestimated("training", unresolved, "Pass the knob that stands for each (optimizer=..., world_size=...), "
                            "or strict=False to estimate without them")
-    return with_reading(estimate(model, batch, **settings), "the training arguments", read.read, unresolved)
+    return with_reading(estimate(model, batch, **settings), "the training arguments", tuple(reads), unresolved)
+
+
+def rebuilt_optimizer(optimizer: Any) -> tuple[Callable[..., Any], str]:
+    """A factory that builds ``optimizer``'s class again with its defaults over new parameters, and what it says.
+
+    Where neither ``foreach`` nor ``fused`` is set, a torch.optim optimizer
+    gets ``foreach=True``: CUDA's default, where fake CPU tensors would loop
+    tensor by tensor (nbmem.estimation.optimizers.target_optimizer_kwargs).
+
+    >>> import torch
+    >>> factory, said = rebuilt_optimizer(torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1, momentum=0.9))
+    >>> said
+    'SGD with its defaults (foreach=True, as CUDA defaults)'
+    >>> factory([torch.zeros(3, requires_grad=True)]).defaults["momentum"]
+    0.9
+    """
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer, which the Trainer keeps after training
+    kind = type(optimizer)
+    accepted = inspect.signature(kind).parameters
+    takes_any = any(parameter.kind is parameter.VAR_KEYWORD for parameter in accepted.values())
+    defaults = {key: value for key, value in getattr(optimizer, "defaults", {}).items()
+                if takes_any or key in accepted}
+    said = f"{kind.__name__} with its defaults"
+    if "foreach" in accepted and defaults.get("foreach") is None and not defaults.get("fused"):
+        defaults["foreach"] = True
+        said += " (foreach=True, as CUDA defaults)"
+
+    def build(parameters: Any) -> Any:
+        return kind(parameters, **defaults)
+
+    build.__name__ = build.__qualname__ = kind.__name__
+    return build, said
 
 
 def refuse_unestimated(what: str, settings: list[str] | tuple[str, ...], fix: str) -> None:
