@@ -211,6 +211,34 @@ def test_the_magic_writes_a_snapshot(shell, tmp_path):
     shell.run_cell("del kept")
 
 
+def test_a_snapshot_path_that_cant_be_written_is_refused_before_the_cell_runs(shell, tmp_path):
+    """A missing folder, a folder itself, an empty name: a UsageError saying what to pass, and the cell not run
+    (its training step would run for nothing, then fail on writing)."""
+    shell.run_cell("import torch\nran = 0")
+    for path, said in ((tmp_path / "missing" / "cell.pickle", "does not exist"), (tmp_path, "that is a folder"),
+                       ("''", "needs a file name")):
+        result = shell.run_cell(f"%%gpumem -q --backend tracked --device cpu --snapshot {path}\nran += 1")
+        assert type(result.error_in_exec).__name__ == "UsageError" and said in str(result.error_in_exec)
+    assert shell.user_ns["ran"] == 0
+
+
+def test_a_snapshot_the_disk_refuses_after_the_cell_keeps_the_cells_value(shell, tmp_path, monkeypatch, capsys):
+    from nbmem.core.results import MemoryResult
+
+    def refuse(self, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(MemoryResult, "to_snapshot", refuse)
+    shell.run_cell("import torch")
+    result = shell.run_cell(f"%%gpumem --text --backend tracked --device cpu --snapshot {tmp_path / 'cell.pickle'}\n"
+                            "kept = torch.ones(4)\n41 + 1")
+    assert result.success and result.result == 42
+    out = capsys.readouterr().out
+    assert "the snapshot could not be written to" in out and "No space left on device" in out
+    assert "snapshot written to" not in out.replace("could not be written to", "")
+    shell.run_cell("del kept")
+
+
 def test_a_loaded_snapshot_plots_its_trace_with_the_peak_where_the_allocator_had_it():
     snapshot = load_snapshot(SNAPSHOTS / "snapshot-oom.pickle")
     figure = snapshot.plot()

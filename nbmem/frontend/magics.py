@@ -294,9 +294,15 @@ class GpuMemMagics(Magics):
         finally:
             if recorder is not None:
                 recorder.finish()
+        written = True
         if recorder is None and args.snapshot is not None:
-            result.to_snapshot(args.snapshot)
-        if args.snapshot is not None:
+            try:
+                result.to_snapshot(args.snapshot)
+            except OSError as error:  # the folder went away, the disk filled: the cell ran, its value stands
+                written = False
+                print(f"gpumem: the snapshot could not be written to {args.snapshot} ({error}); the cell ran and "
+                      "its report is above")
+        if args.snapshot is not None and written:
             if not args.quiet:
                 print(f"gpumem: snapshot written to {args.snapshot} (open it at pytorch.org/memory_viz, or nbmem.load_snapshot)")
         if args.output:

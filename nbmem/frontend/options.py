@@ -11,14 +11,17 @@ does it all: every mistake is a UsageError saying how to fix it.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
+from pathlib import Path
 
 from IPython.core.error import UsageError
 
 from ..tracking.scope import BACKENDS, ENGINES, native_engine, resolve_backend
 
-__all__ = ["ACTIONS", "ACTION_OPTIONS", "read_options", "parse_options", "unsilenced", "option_names", "refuse_unused"]
+__all__ = ["ACTIONS", "ACTION_OPTIONS", "read_options", "parse_options", "unsilenced", "option_names", "refuse_unused",
+           "check_snapshot_path"]
 
 #: The options (argparse destinations) each line action reads, in the order its usage lists them.
 ACTION_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -61,6 +64,8 @@ def read_options(parser: argparse.ArgumentParser, line: str, cell: str | None) -
         raise UsageError(f"--backend {args.backend!r} is not known: use one of {', '.join(BACKENDS)}")
     if args.engine not in ENGINES:
         raise UsageError(f"--engine {args.engine!r} is not known: use one of {', '.join(ENGINES)}")
+    if getattr(args, "snapshot", None) is not None:
+        check_snapshot_path(args.snapshot)
     try:
         resolved = resolve_backend(args.backend, args.device)
         if args.capacity is not None:
@@ -74,6 +79,27 @@ def read_options(parser: argparse.ArgumentParser, line: str, cell: str | None) -
     except (ValueError, RuntimeError) as error:  # RuntimeError: NativeUnavailable, saying why
         raise UsageError(str(error)) from None
     return args
+
+
+def check_snapshot_path(value: str) -> None:
+    """A UsageError, before the cell runs, for a ``--snapshot`` file that could not be written after it.
+
+    >>> check_snapshot_path("/no/such/folder/cell.pickle")
+    Traceback (most recent call last):
+    ...
+    IPython.core.error.UsageError: --snapshot /no/such/folder/cell.pickle: the folder /no/such/folder does not exist; create it, or name a file in one that does
+    """
+    path = Path(value).expanduser()
+    if not value.strip():
+        raise UsageError("--snapshot needs a file name, e.g. --snapshot cell.pickle")
+    if path.is_dir():
+        raise UsageError(f"--snapshot {value}: that is a folder; name a file in it, e.g. --snapshot {path / 'cell.pickle'}")
+    folder = path.parent
+    if not folder.is_dir():
+        raise UsageError(f"--snapshot {value}: the folder {folder} does not exist; create it, or name a file in one "
+                         "that does")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--snapshot {value}: not writable here; name a file in a folder you can write to")
 
 
 def unsilenced(line: str) -> str:
