@@ -456,6 +456,15 @@ def test_a_sweep_puts_the_eager_step_beside_the_compiled_one_and_a_compiled_loss
     assert not any(note.startswith(("estimated as eager", "EAGER FIGURES")) for note in with_loss.notes)
 
 
+def test_max_batch_size_refuses_compile_before_any_estimate(monkeypatch):
+    """Its real trials can't run compiled code compiled: refused at once, not after the estimates (a review)."""
+    import nbmem.whatif.batchsize as batchsize
+
+    monkeypatch.setattr(batchsize, "estimate_plan", lambda *args, **kwargs: pytest.fail("estimated first"))
+    with pytest.raises(ValueError, match=r"max_batch_size checks its answer by running the step for real.*sweep"):
+        nbmem.max_batch_size(mlp, batch, device="200MiB", optimizer="sgd", compile=True)
+
+
 def test_compile_refuses_measured_and_generate():
     from nbmem.estimation.plan import Plan
 
@@ -463,6 +472,41 @@ def test_compile_refuses_measured_and_generate():
         Plan(batch_size=8, compile=True, mode="measured")
     with pytest.raises(ValueError, match="generation calls the model's generate"):
         Plan(batch_size=1, compile=True, task="generate", prompt_length=8, new_tokens=2)
+
+
+def _head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.graph_break()  # as transformers' loss function breaks (logger.warning_once)
+    return (hidden @ weight).tanh()
+
+
+class _Breaking(nn.Module):
+    """A model whose forward breaks Dynamo's graph inside a module-level function its class shares."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.w = nn.Linear(256, 512), nn.Parameter(torch.randn(512, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _head(self.a(x).relu(), self.w)
+
+
+def test_compile_estimates_past_a_graph_break_leave_no_planned_graph_behind(fresh_dynamo):
+    """Past a graph break Dynamo compiles the frames it resumes in (forward, _head) in their own, shared caches,
+    under guards the next estimate's fake tensors pass: the second estimate called the first one's planned graph
+    and raised, and after 8 the recompile limit gave eager figures and left the user's compile eager (a review)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))  # noqa: E731
+    first, again = (nbmem.estimate(_Breaking, make, batch_size=32, optimizer="sgd", compile=True) for _ in range(2))
+    assert first.steady == again.steady
+    for size in range(1, torch._dynamo.config.recompile_limit + 2):
+        planned = nbmem.estimate(_Breaking, make, batch_size=8 * size, optimizer="sgd", compile=True)
+        assert not any("EAGER FIGURES" in note for note in planned.notes), size
+    assert [len(_debug_get_cache_entry_list(code)) for code in (_head.__code__, _Breaking.forward.__code__)] == [0, 0]
+    graphs = counters["stats"]["unique_graphs"]
+    torch.compile(_Breaking())(torch.randn(8, 256)).sum().backward()
+    assert counters["stats"]["unique_graphs"] > graphs  # the user's own compile compiles
 
 
 def test_a_planned_graph_refuses_to_run_after_its_estimate(tmp_path):

@@ -227,6 +227,7 @@ def planned_inductor(fake_mode: Any) -> Iterator[Planning]:
 
     functorch = {name: False for name in ("enable_autograd_cache", "enable_remote_autograd_cache")
                  if hasattr(functorch_config, name)}
+    cached = _cache_sizes()
     with inductor_config.patch(settings), functorch_config.patch(functorch):
         try:
             PyCodeCache.load_by_key_path = classmethod(  # type: ignore[method-assign, assignment]
@@ -237,6 +238,48 @@ def planned_inductor(fake_mode: Any) -> Iterator[Planning]:
             planning.active = False
             PyCodeCache.load_by_key_path = real_load  # type: ignore[method-assign]
             compile_module.compile_fx = real_compile
+            _forget_planned(cached)
+
+
+def _compiled_codes() -> list[types.CodeType]:
+    """The code objects Dynamo has been handed or made (torch 2.13's trackers; none where they differ)."""
+    from torch._dynamo import convert_frame
+
+    codes = []
+    for tracker in (getattr(convert_frame, "input_codes", None), getattr(convert_frame, "output_codes", None)):
+        for ref in getattr(tracker, "seen", ()):
+            code = ref()
+            if code is not None:
+                codes.append(code)
+    return codes
+
+
+def _cache_sizes() -> dict[int, int]:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return {id(code): len(_debug_get_cache_entry_list(code)) for code in _compiled_codes()}
+
+
+def _forget_planned(before: dict[int, int]) -> None:
+    """Empty the Dynamo caches the estimate added to, so no planned graph outlives it.
+
+    The estimate enters through a fresh function (:func:`compile_for_estimate`),
+    but past a graph break Dynamo compiles the frames it resumes in (a model's
+    forward, transformers' loss function, torchao's optimizer step) in the
+    caches of their own, shared code objects, under guards fake tensors of the
+    next estimate pass: a second estimate called the first one's planned graph
+    (and raised), and after 8 the recompile limit made estimates, and the
+    user's own compile of the model, run eagerly. A code object whose cache
+    the estimate added to loses its whole cache (``reset_code``): a compile
+    of the user's own in it is made again at its next call.
+    """
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
+    from torch._dynamo import convert_frame
+
+    with convert_frame.compile_lock:
+        for code in _compiled_codes():
+            if len(_debug_get_cache_entry_list(code)) > before.get(id(code), 0):
+                reset_code(code)
 
 
 def compile_for_estimate(model: torch.nn.Module, notes: list[str]) -> _EstimateCompiled:

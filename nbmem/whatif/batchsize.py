@@ -242,6 +242,11 @@ def max_batch_size(
             "(the default is 65536)"
         )
     limit = int(limit)
+    if compile:
+        raise ValueError(
+            "max_batch_size checks its answer by running the step for real, and a tracked or measured run can't run "
+            "compiled code compiled (its dispatch mode makes PyTorch run it eagerly): estimate the compiled step at "
+            "several sizes with nbmem.sweep(..., batch_size=[...], compile=True), or leave compile out")
     if verify == "auto":
         verify = real_mode()
     if verify not in ("tracked", "measured"):
