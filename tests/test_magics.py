@@ -123,6 +123,21 @@ def test_composes_with_time(shell, order):
     assert nbmem.history(shell)[-1].retained == 4 * MiB
 
 
+def test_a_gpumem_cell_under_time_is_measured_once_under_gpumem_on(shell):
+    """%%time's body starts with %%gpumem: that cell records itself, and %gpumem on leaves it alone (a review
+    found it measured twice, two rows in the history)."""
+    shell.run_cell("import torch")
+    run(shell, "%gpumem on -q")
+    try:
+        before = len(nbmem.history(shell))
+        result, captured = run(shell, "%%time\n%%gpumem -q\nw = torch.zeros(256, 1024)")
+        assert result.success
+        rows = nbmem.history(shell)[before:]
+        assert len(rows) == 1 and rows[0].retained == MiB
+    finally:
+        run(shell, "%gpumem off")
+
+
 def test_every_cell_on_off_history_reset(shell):
     shell.run_cell("import torch")
     result, captured = run(shell, "%gpumem on")

@@ -20,8 +20,22 @@ __all__: list[str] = []  # the magics' own helpers
 
 
 def _is_nbmem_cell(source: str) -> bool:
-    """``%%gpumem`` cells record themselves; ``%gpumem ...`` lines are nbmem's own commands."""
-    return first_line(source).startswith(("%%gpumem", "%gpumem"))
+    r"""``%%gpumem`` cells record themselves, also under other cell magics (``%%time`` above it, whose body
+    starts with it); ``%gpumem ...`` lines are nbmem's own commands.
+
+    >>> _is_nbmem_cell("%%time\n%%gpumem -q\nx = 1"), _is_nbmem_cell("%%time\nx = 1\n%%gpumem")
+    (True, False)
+    """
+    if first_line(source).startswith("%gpumem"):
+        return True
+    for line in (line.strip() for line in source.splitlines()):
+        if not line:
+            continue
+        if not line.startswith("%%"):
+            return False
+        if line.startswith("%%gpumem"):
+            return True
+    return False
 
 
 #: How IPython's static transforms write a ``%%gpumem`` cell (IPython.core.inputtransformer2.cell_magic).
