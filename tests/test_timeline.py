@@ -75,6 +75,10 @@ def test_timeline_and_free_on_oom_flags(shell):
     texts = [output.data["text/plain"] for output in captured.outputs]
     assert "4.00 MiB came back" in texts[-1]  # `held`, released before IPython keeps the frames
     assert "more = torch.zeros(1024, 1024)" in captured.stdout  # the traceback still shows the line
+    # and hides nbmem's frames as without the flag: they are cleared after IPython has shown it (a review found
+    # them shown, their __tracebackhide__ cleared with their locals)
+    assert "skipping hidden" in captured.stdout and "nbmem/tracking/" not in captured.stdout
+    assert "failed resolving arguments" not in captured.stdout
     from nbmem import history
 
     # everything the failed cell made is gone already, without %gpumem free

@@ -351,11 +351,9 @@ class GpuMemMagics(Magics):
             if not args.quiet:
                 display.show_value(diagnose(result, scope.tracker, self.shell.user_ns, error))
             if args.free_on_oom:
-                from ..tracking.reclaim import release_error
+                from ..tracking.reclaim import release_error_once_shown
 
-                reclaimed = release_error(error, device=args.device)
-                if not args.quiet:
-                    display.show_value(reclaimed)
+                release_error_once_shown(self.shell, error, args.device, None if args.quiet else display.show_value)
 
     def _live(self, quiet: bool, no_live: bool) -> bool:
         """Whether a gauge may show: asked for, and someone is watching (see _env.FrontendProbe)."""

@@ -46,7 +46,7 @@ from .scope import resolve_backend
 from .tracker import default_tracker
 from ..core.units import format_bytes
 
-__all__ = ["Reclaimed", "free", "release_error"]
+__all__ = ["Reclaimed", "free", "release_error", "release_error_once_shown"]
 
 #: Where the interpreter keeps the last uncaught error; IPython sets these too.
 _SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
@@ -160,6 +160,27 @@ def release_error(error: BaseException, *, device: str | torch.device | None = N
         return [f"{_TRACEBACK_RELEASED} {count} ({type(error).__name__})"]
 
     return _reclaim(release, device, empty_cache)
+
+
+def release_error_once_shown(shell: Any, error: BaseException, device: str | torch.device | None,
+                             show: Callable[[Reclaimed], Any] | None) -> None:
+    """:func:`release_error` once IPython has shown the error's traceback (its next ``post_run_cell``, once).
+
+    Cleared before, nbmem's frames lose their ``__tracebackhide__`` with their
+    locals, and IPython showed them in the user's traceback. ``show`` gets
+    what came back (None: nothing shown).
+    """
+
+    def release(*_: Any) -> None:
+        try:
+            shell.events.unregister("post_run_cell", release)
+        except ValueError:
+            pass
+        reclaimed = release_error(error, device=device)
+        if show is not None:
+            show(reclaimed)
+
+    shell.events.register("post_run_cell", release)
 
 
 def _reclaim(release: Callable[[], list[str]], device: str | torch.device | None, empty_cache: bool) -> Reclaimed:
