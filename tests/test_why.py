@@ -129,3 +129,16 @@ def test_the_diagnosis_names_tensors_without_warning_about_non_leaf_grads(shell)
     assert [str(warning.message) for warning in caught] == []  # PyTorch's ".grad of a non-leaf tensor" warning
     assert "UserWarning" not in captured.stderr
     assert "gpumem out-of-memory diagnosis" in plain(captured) and "model.0.weight" in plain(captured)
+
+
+def test_gpumem_on_with_a_virtual_capacity_diagnoses_an_out_of_memory_cell(shell):
+    """As %%gpumem does after any out-of-memory error (a review found %gpumem on showing the FAILED line only)."""
+    run(shell, SETUP)
+    run(shell, "%gpumem on --capacity 100MiB")
+    try:
+        result, captured = run(shell, "train(4096)")
+    finally:
+        run(shell, "%gpumem off")
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    assert "FAILED (OutOfMemoryError)" in plain(captured)
+    assert "gpumem out-of-memory diagnosis (virtual 100MiB)" in plain(captured) and "model.0.weight" in plain(captured)

@@ -470,6 +470,8 @@ class GpuMemMagics(Magics):
             write_cell_snapshot(measured, (session.every_cell or session.log_options).snapshots, None)
         if session.every_cell is not None and not session.every_cell.quiet:
             display.show_line(measured, display_id=in_place)
+            if error is not None and is_out_of_memory(error):  # as %%gpumem diagnoses its cell's
+                display.show_value(diagnose(measured, scope.tracker, self.shell.user_ns, error))
 
 
 def _registered(shell: Any) -> GpuMemMagics | None:
