@@ -103,6 +103,8 @@ class HostStepCounters:
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if threading.get_ident() != self._thread or optimizer in self._seen or not _counts_on_host(optimizer):
             return
+        if not self.tracker.fake and _on_fake_tensors(optimizer):
+            return  # an estimate's, run inside a tracked block: its own tracker keeps its counters out
         self._seen.add(optimizer)
         # made in its constructor (a user's Adagrad): out of the figures from now on. Not those alive before the
         # tracker saw them (an optimizer stepped before the block): they are in the block's baseline, and stay
@@ -203,11 +205,20 @@ def _counts_on_host(optimizer: Any) -> bool:
     )
 
 
+def _on_fake_tensors(optimizer: Any) -> bool:
+    """Whether ``optimizer`` steps fake tensors (an estimate's), which a real block's tracker never counts."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(parameter, FakeTensor) for group in optimizer.param_groups for parameter in group["params"])
+
+
 def _init_group_on_host(owner: weakref.ref[Any], init: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     # the optimizer held weakly: optimizer -> this -> the optimizer would be a cycle, kept until a collection
     optimizer = owner()
     assert optimizer is not None, "an optimizer was let go before its own step"
     hosting = _here()
+    if hosting and _on_fake_tensors(optimizer):  # an estimate's: only its own (fake) trackers keep them out
+        hosting = [counters for counters in hosting if counters.tracker.fake]
     group = args[0] if args else kwargs.get("group")
     if not hosting or (isinstance(group, dict) and all(optimizer.state.get(p) for p in group["params"]
                                                        if p.grad is not None)):
