@@ -61,8 +61,9 @@ def test_the_trainer_and_the_modules_own_step_are_estimated():
         del loss
         optimizer.step()
 
-    same = nbmem.estimate(Classifier, batch, batch_size=64, optimizer=lambda parameters: torch.optim.AdamW(parameters),
-                          step=by_hand)
+    # configure_optimizers' AdamW sets neither foreach nor fused: foreach, CUDA's default (fake CPU tensors loop)
+    same = nbmem.estimate(Classifier, batch, batch_size=64,
+                          optimizer=lambda parameters: torch.optim.AdamW(parameters, foreach=True), step=by_hand)
     assert (plain.first_step, plain.steady) == (same.first_step, same.steady)
     assert plain.breakdown.category("optimizer state") == same.breakdown.category("optimizer state") > 0
     mixed = nbmem.estimate_lightning(trainer(precision="bf16-mixed", accumulate_grad_batches=2), Classifier, batch,
@@ -76,6 +77,51 @@ def test_the_trainer_and_the_modules_own_step_are_estimated():
 def test_settings_nbmem_does_not_estimate_are_named():
     with pytest.raises(ValueError, match=r"precision='64-true'"):
         nbmem.estimate_lightning(trainer(precision="64-true"), Classifier, batch, batch_size=8)
+    with pytest.raises(ValueError, match=r"world_size=4 with SingleDeviceStrategy"):
+        nbmem.estimate_lightning(trainer(), Classifier, batch, batch_size=8, world_size=4)
+
+
+def test_a_fabric_is_read_and_anything_else_refused():
+    """A Fabric keeps its precision in its strategy's plugin (it has no precision attribute); None, a string or a
+    dict were estimated as fp32 before (a review)."""
+    from lightning.fabric import Fabric
+
+    fabric = nbmem.estimate_lightning(Fabric(accelerator="cpu", devices=1, precision="bf16-true"), Classifier, batch,
+                                      batch_size=8)
+    assert fabric.precision == "bf16-weights"
+    for wrong in (None, "bf16-mixed", {"precision": "bf16-mixed"}):
+        with pytest.raises(TypeError, match="estimate_lightning reads a lightning Trainer or Fabric"):
+            nbmem.estimate_lightning(wrong, Classifier, batch, batch_size=8)
+
+
+def test_ddp_runs_the_modules_step_through_the_wrapper():
+    """The step reaches training_step and configure_optimizers through DDP's wrapper (it raised AttributeError)."""
+    single = nbmem.estimate_lightning(trainer(), Classifier, batch, batch_size=8)
+    ddp = nbmem.estimate_lightning(trainer(strategy="ddp", devices=2), Classifier, batch, batch_size=8)
+    assert (ddp.parallel, ddp.world_size) == ("ddp", 2) and ddp.steady > single.steady  # DDP's gradient buckets
+
+
+class _Two(Classifier):
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.net[0].parameters()), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+
+class _Nothing(Classifier):
+    def configure_optimizers(self):
+        return None
+
+
+class _Manual(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize("module, said", [(_Two, "several optimizers"), (_Nothing, "gives NoneType"),
+                                          (_Manual, "optimizes manually")])
+def test_what_automatic_optimization_cant_run_says_to_pass_your_step(module, said):
+    with pytest.raises(ValueError, match=rf"{said}.*step=your_step"):
+        nbmem.estimate_lightning(trainer(), module, batch, batch_size=8)
 
 
 def test_the_callback_records_each_batch_and_closes_on_an_exception():
@@ -93,6 +139,17 @@ def test_the_callback_records_each_batch_and_closes_on_an_exception():
     class Broken(Classifier):
         def training_step(self, data, batch_idx):
             raise RuntimeError("stand-in")
+
+    # a callback kept to read its history keeps no model alive (Lightning gave it the module's bound log)
+    import weakref
+
+    module = Classifier()
+    held = weakref.ref(module)
+    kept = nbmem.LightningMemoryCallback(backend="tracked", device="cpu", quiet=True)
+    trainer(max_steps=1, callbacks=[kept]).fit(module, loader)
+    del module
+    gc.collect()
+    assert held() is None and len(kept.history) == 1
 
     closed = nbmem.LightningMemoryCallback(backend="tracked", device="cpu", quiet=True)
     with pytest.raises(RuntimeError, match="stand-in"):

@@ -56,6 +56,12 @@ class LightningMemoryCallback(Callback):
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         self.meter.close()
 
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        # Lightning gives every callback the module's bound log/log_dict (callback_connector.py): a callback kept
+        # to read its history would keep the whole model alive
+        for name in ("log", "log_dict"):
+            self.__dict__.pop(name, None)
+
     def summary(self) -> str:
         return self.meter.summary()
 

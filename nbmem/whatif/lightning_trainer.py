@@ -32,18 +32,32 @@ PRECISION = {"32-true": "fp32", "32": "fp32", "bf16-mixed": "bf16", "16-mixed": 
              "16-true": "fp16-weights"}
 
 
+#: Lightning's precision plugins that stand for a precision string (and say it in their ``precision``).
+_PLUGINS = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "FSDPPrecision", "DeepSpeedPrecision")
+
+
 def knobs_from_lightning(trainer: Any, world_size: int | None = None) -> TrainingKnobs:
-    """What a Lightning ``Trainer`` says, as estimate knobs (its batch size lives elsewhere: pass it)."""
+    """What a Lightning ``Trainer`` or ``Fabric`` says, as estimate knobs (its batch size lives elsewhere: pass it)."""
     read: list[str] = []
     unknown: list[str] = []
     knobs: dict[str, Any] = {}
-    precision = str(getattr(trainer, "precision", "32-true"))
-    if precision in PRECISION:
+    strategy_object = getattr(trainer, "strategy", None)
+    fabric = type(trainer).__name__ == "Fabric" or not hasattr(trainer, "accumulate_grad_batches")
+    # a Trainer's plugin is strategy.precision_plugin, a Fabric's strategy.precision
+    plugin = getattr(strategy_object, "precision_plugin", None) or getattr(strategy_object, "precision", None)
+    if strategy_object is None or plugin is None:
+        raise TypeError(f"estimate_lightning reads a lightning Trainer or Fabric, not {type(trainer).__name__}: "
+                        "pass the Trainer(...) or Fabric(...) your run uses")
+    precision = str(getattr(plugin, "precision", None) if fabric else getattr(trainer, "precision", "32-true"))
+    if type(plugin).__name__ not in _PLUGINS:  # bitsandbytes', Transformer Engine's: layers of their own
+        unknown.append(f"precision plugin {type(plugin).__name__} (its layers are not estimated; quantization= "
+                       "estimates bitsandbytes' for nbmem.estimate)")
+    elif precision in PRECISION:
         knobs["precision"] = PRECISION[precision]
         read.append(f"precision={precision!r}: {knobs['precision']!r}")
     else:
         unknown.append(f"precision={precision!r} (nbmem estimates {', '.join(PRECISION)})")
-    accumulation = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+    accumulation = 1 if fabric else int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     if accumulation > 1:
         read.append(f"accumulate_grad_batches={accumulation}: that many micro-batches per optimizer step")
     strategy = type(getattr(trainer, "strategy", None)).__name__
@@ -51,9 +65,12 @@ def knobs_from_lightning(trainer: Any, world_size: int | None = None) -> Trainin
     if strategy == "DDPStrategy" and size > 1:
         knobs["parallel"], knobs["world_size"] = "ddp", size
         read.append(f"DDPStrategy on {size} processes: parallel='ddp'")
-    elif strategy not in ("SingleDeviceStrategy", "DDPStrategy", "NoneType"):
+    elif strategy not in ("SingleDeviceStrategy", "DDPStrategy"):
         unknown.append(f"strategy {strategy} (nbmem estimates single-device and DDP Lightning runs; "
                        "nbmem.estimate(parallel='fsdp', ...) with your own step for FSDP)")
+    elif size > 1:
+        unknown.append(f"world_size={size} with {strategy} (one process: give the trainer strategy='ddp' and its "
+                       "devices, or leave world_size out)")
     if getattr(trainer, "gradient_clip_val", None):
         read.append("gradient_clip_val: clipping's norms, a few scalars, are not counted")
     return TrainingKnobs({**knobs, "accumulation": accumulation}, tuple(read), tuple(unknown))
@@ -67,15 +84,26 @@ def _optimizer_of(module: torch.nn.Module) -> torch.optim.Optimizer:
     given: Any = module.configure_optimizers()  # type: ignore[operator]
     if isinstance(given, dict):
         given = given["optimizer"]
+    several = ValueError("this module's configure_optimizers gives several optimizers (Lightning runs them only with "
+                         "manual optimization): estimate it with nbmem.estimate(..., step=your_step), which builds "
+                         "them as your loop does")
     if isinstance(given, (list, tuple)):
-        given = given[0]
+        if len(given) > 1 and not isinstance(given[0], (list, tuple)):  # [optimizer, optimizer], not ([...], [...])
+            raise several
+        given = given[0] if given else None
         if isinstance(given, (list, tuple)):  # ([optimizers], [schedulers])
             if len(given) != 1:
-                raise ValueError("this module's configure_optimizers gives several optimizers: estimate it with "
-                                 "nbmem.estimate(..., step=your_step), which builds them as your loop does")
+                raise several
             given = given[0]
         if isinstance(given, dict):
             given = given["optimizer"]
+    if given is None or not hasattr(given, "step"):
+        raise ValueError(f"this module's configure_optimizers gives {type(given).__name__}, no optimizer to step: "
+                         "estimate it with nbmem.estimate(..., step=your_step)")
+    if isinstance(given, torch.optim.Optimizer) and type(given).__module__.startswith("torch.optim."):
+        for group in given.param_groups:  # CUDA's default where neither is set; fake CPU tensors would loop
+            if group.get("foreach", False) is None and not group.get("fused") and not group.get("differentiable"):
+                group["foreach"] = True
     module.__dict__["_nbmem_optimizer"] = given
     return given  # type: ignore[no-any-return]
 
@@ -91,6 +119,11 @@ def lightning_step(batch_fn: Callable[[int], Any], batch_size: int, accumulation
     """
 
     def step(model: torch.nn.Module, batch: Any, optimizer: Any) -> None:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module  # DDP's reducer hooks on the parameters still fire in backward
+        if getattr(model, "automatic_optimization", True) is False:
+            raise ValueError("this module optimizes manually (automatic_optimization = False): estimate it with "
+                             "nbmem.estimate(..., step=your_step), which runs your loop as written")
         optimizer = _optimizer_of(model)
         for index in range(accumulation):
             micro_batch = batch if index == 0 else batch_fn(batch_size)
@@ -129,4 +162,5 @@ def estimate_lightning(trainer: Any, module: Any, batch: Callable[[int], Any], *
     result = estimate(module, batch, batch_size=batch_size, optimizer=None, step=step, **{**settings, **knobs})
     return with_reading(result, "the Lightning trainer", read.read, read.not_understood,
                         "the step: the module's training_step per micro-batch, zero_grad() before the first backward(), "
-                        "then its optimizer's step(), as Lightning's automatic optimization runs them")
+                        "then its optimizer's step() (a torch.optim one with foreach, as CUDA defaults), as "
+                        "Lightning's automatic optimization runs them")
