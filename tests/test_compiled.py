@@ -509,6 +509,29 @@ def test_compile_estimates_past_a_graph_break_leave_no_planned_graph_behind(fres
     assert counters["stats"]["unique_graphs"] > graphs  # the user's own compile compiles
 
 
+def test_compiled_code_that_ran_eagerly_is_not_said_to_have_run_compiled(fresh_dynamo):
+    """Under the user's set_stance("force_eager") a compiled call runs its eager Python: no compiled claim. Past
+    Dynamo's recompile limit, calls with new shapes run eagerly: the result says it can't tell (a review found
+    both reported as "ran compiled", with the eager figure)."""
+    if not available():
+        pytest.skip("the native engine's library is not built here")
+    double = torch.compile(lambda t: (t * 2).sin(), backend="eager", dynamic=False)
+    double(torch.ones(4))
+    with torch.compiler.set_stance("force_eager"), nbmem.track("cpu", engine="native") as stanced:
+        double(torch.ones(4))
+    assert stanced.result.compiled is None and not any("compile" in note for note in stanced.result.notes)
+    with nbmem.track("cpu", engine="native") as within:
+        double(torch.ones(4))
+    assert within.result.compiled == "compiled"
+    for size in range(5, 5 + torch._dynamo.config.recompile_limit):
+        double(torch.ones(size))
+    with nbmem.track("cpu", engine="native") as past:
+        double(torch.ones(64))
+    assert past.result.compiled == "unknown"
+    assert any(note.startswith("torch.compile'd code in this process has reached Dynamo's recompile limit")
+               for note in past.result.notes)
+
+
 def test_a_planned_graph_refuses_to_run_after_its_estimate(tmp_path):
     from nbmem.estimation.compiled_plan import OUTSIDE_ESTIMATE, Planning, _load_planned
     from nbmem.estimation.fakemode import new_fake_mode

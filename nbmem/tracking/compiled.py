@@ -41,11 +41,13 @@ from typing import Any, Iterator, Mapping
 import torch
 
 __all__ = ["watch", "unwatch", "calls_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere",
-           "dynamo_saw_frames"]
+           "dynamo_saw_frames", "past_recompile_limit", "RECOMPILE_LIMIT_NOTE"]
 
 #: Compiled regions entered while any watch was on, and those of them run eagerly on purpose (only grow).
 _entered = 0
 _forced = 0
+#: eager_stance()'s while entered: its force_eager regions are nbmem's, still counted as compiled calls
+_OWN_STANCE: list[object] = []
 #: ids of the open watches' owners (scopes); the probe is in while there is one.
 _watches: set[int] = set()
 #: the owners among them that run a dispatch mode: compiled code runs eagerly while one is open (_probe says why)
@@ -63,14 +65,18 @@ def _eval_frame() -> Any:
 def _probe(callback: Any) -> Any:
     global _entered, _forced
     if callback is not None and callback is not False:  # None: a disabled region; False: run-only mode
-        _entered += 1
         if _eager:
+            _entered += 1
             _forced += 1
             # Under a dispatch mode Dynamo would skip the frame, and mark its code skipped for good: the
             # compiled function then runs eagerly for the rest of the process, mode or not (seen with
             # torch 2.13). No callback, as torch.compiler.set_stance("force_eager") gives, runs it eagerly
             # this once and leaves it compiled.
             return None
+        given = _original(callback)
+        if given is not None or _OWN_STANCE:  # None: a force_eager stance; the user's own is no compiled call
+            _entered += 1
+        return given
     return _original(callback)
 
 
@@ -205,8 +211,14 @@ def eager_stance() -> Iterator[None]:
     if _eval_frame() is None:
         yield
         return
-    with torch.compiler.set_stance("force_eager"):
-        yield
+    token = object()
+    try:
+        _OWN_STANCE.append(token)  # the calls in it are counted (an estimate says it ran them eagerly)
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    finally:
+        if token in _OWN_STANCE:
+            _OWN_STANCE.remove(token)
 
 
 def dynamo_saw_frames() -> bool:
@@ -216,4 +228,27 @@ def dynamo_saw_frames() -> bool:
         return False
     seen = getattr(getattr(sys.modules.get("torch._dynamo.convert_frame"), "input_codes", None), "seen", None)
     return seen is None or bool(seen)
+
+
+#: What a block says when compiled code it called may have run eagerly past Dynamo's recompile limit.
+RECOMPILE_LIMIT_NOTE = (
+    "torch.compile'd code in this process has reached Dynamo's recompile limit (torch._dynamo.config."
+    "recompile_limit): its calls with inputs no compiled graph takes run their eager Python, so these figures may be "
+    "the eager code's; torch._dynamo.reset() compiles afresh, dynamic=True compiles one graph for many shapes"
+)
+
+
+def past_recompile_limit() -> bool:
+    """Whether some code Dynamo compiled holds as many graphs as its recompile limit allows (new inputs: eager)."""
+    if "torch._dynamo" not in sys.modules:
+        return False
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        from torch._dynamo import config, convert_frame
+
+        limit = config.recompile_limit
+        codes = [ref() for ref in convert_frame.input_codes.seen]
+        return any(code is not None and len(_debug_get_cache_entry_list(code)) >= limit for code in codes)
+    except (ImportError, AttributeError):  # another torch's internals: nothing known
+        return False
 

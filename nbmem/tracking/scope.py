@@ -474,6 +474,8 @@ class MemoryScope:
                 f"{how} a dispatch mode, under which PyTorch runs no compiled frame. The "
                 f"compiled code's own memory (fused kernels, inductor's buffers) was not measured; {why}"
             ]
+        if compiled.past_recompile_limit():
+            return "unknown", [compiled.RECOMPILE_LIMIT_NOTE]
         if self.mode == "measured":
             return "compiled", [
                 "torch.compile'd code ran compiled; a CUDA graph (mode='reduce-overhead') allocates from its own "
