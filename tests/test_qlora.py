@@ -443,16 +443,31 @@ def forget_compiled_code():
 
 @pytest.mark.parametrize("name", ["adamw_torch_8bit", "adamw_torch_4bit"])
 def test_torchao_low_bit_adamw_state_estimated_as_a_tracked_run_makes_it(torchao, forget_compiled_code, name):
-    figures = {}
+    figures, peaks = {}, {}
     for mode in ("estimated", "tracked"):
         result = nbmem.estimate(linear, features, batch_size=4, optimizer=name, mode=mode)
         figures[mode] = result.breakdown.category("optimizer state")
+        peaks[mode] = (result.first_step, result.steady)
         assert any(note.startswith(f"optimizer: torchao AdamW{name[-4:-3]}bit") and "runs it eagerly" in note
                    for note in result.notes)
     assert figures["estimated"] == figures["tracked"]
+    # and the step's temporaries: torchao's state dequantizes, updates and quantizes inside its own
+    # __torch_dispatch__, which the tracking mode sees through (the tracked step missed them before)
+    assert peaks["estimated"] == peaks["tracked"]
     # 4,239,368 parameters: fp32 AdamW would keep 2 x 4 bytes of each; 8-bit about 2 x 1, 4-bit about 2 x 0.5
     full = nbmem.estimate(linear, features, batch_size=4, optimizer="adamw").breakdown.category("optimizer state")
     assert full / figures["estimated"] > (3.9 if name.endswith("8bit") else 7.5)
+
+
+def test_with_compile_the_torchao_note_says_inductor_planned_its_step(torchao, forget_compiled_code):
+    """torchao's step is torch.compile'd: eager in an estimate, planned with the model under compile=True, and the
+    note says which (it said "runs it eagerly" for both, a review)."""
+    notes = {}
+    for planned in (False, True):
+        result = nbmem.estimate(linear, features, batch_size=4, optimizer="adamw_torch_8bit", compile=planned)
+        (notes[planned],) = [note for note in result.notes if note.startswith("optimizer: torchao")]
+    assert "nbmem runs it eagerly" in notes[False] and "inductor planned it" not in notes[False]
+    assert "with compile=True inductor planned it" in notes[True] and "runs it eagerly" not in notes[True]
 
 
 def test_around_a_real_4bit_layer_the_native_engine_sees_what_bitsandbytes_cpu_kernel_allocates_inside():

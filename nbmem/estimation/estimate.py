@@ -337,7 +337,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                 make_optimizer = in_backward(make_optimizer)
                 notes.append("optimizer: stepped inside backward, one optimizer per parameter in its "
                              "post-accumulate-grad hook, each gradient freed there (PyTorch's fused-backward recipe)")
-            optimizer_kwargs = target_optimizer_kwargs(optimizer, plan.foreach, mode, notes)
+            optimizer_kwargs = target_optimizer_kwargs(optimizer, plan.foreach, mode, notes, planned=planned)
             network, opt = parallelize(
                 network, parallel, mesh, fake=fake_mode is not None, block=unit, make_optimizer=make_optimizer,
                 optimizer_kwargs=optimizer_kwargs, classify=whole.tracker.classify, mp_policy=plan.mp_policy,

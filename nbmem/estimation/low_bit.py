@@ -93,14 +93,18 @@ def _build_torchao(name: str, parameters: Any, **options: Any) -> torch.optim.Op
     return optimizer
 
 
-def torchao_note(name: str) -> str:
-    """What an estimate with torchao's low-bit AdamW assumed."""
+def torchao_note(name: str, planned: bool = False) -> str:
+    """What an estimate with torchao's low-bit AdamW assumed (``planned``: compile=True, inductor planned its step)."""
     bits = 8 if name.endswith("8bit") else 4
+    step = ("its step is torch.compile'd (fullgraph), and with compile=True inductor planned it as it plans the model: "
+            "the state is exact and the step's temporaries are the compiled plan's (for the CPU; untested on CUDA)"
+            if planned else
+            "its step is torch.compile'd (fullgraph), which a dispatch mode can't run: nbmem runs it eagerly, so the "
+            "state is exact and the step's temporaries are eager's, at most what the compiled kernel holds (untested "
+            "on CUDA)")
     return (f"optimizer: torchao {TORCHAO_OPTIM[name]}, {bits}-bit state (codes and an fp32 scale per 256 values for "
             "parameters of 4,096 elements or more whose size divides into blocks of 256; others keep state in their "
-            "own dtype); its step is torch.compile'd (fullgraph), which a "
-            "dispatch mode can't run: nbmem runs it eagerly, so the state is exact and the step's temporaries are "
-            "eager's, at most what the compiled kernel holds (untested on CUDA)")
+            f"own dtype); {step}")
 
 
 def _build(name: str, parameters: Any, **options: Any) -> torch.optim.Optimizer:

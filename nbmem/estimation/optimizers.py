@@ -79,7 +79,8 @@ def optimizer_factory(optimizer: str | Callable[..., torch.optim.Optimizer] | No
     return OPTIMIZERS[named] if isinstance(named, str) else named
 
 
-def target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str]) -> dict[str, Any]:
+def target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, notes: list[str], *,
+                            planned: bool = False) -> dict[str, Any]:
     """The optimizer's implementation on the GPU the estimate is for, named in ``notes``.
 
     On CUDA, torch.optim's built-in optimizers default to the foreach
@@ -101,7 +102,7 @@ def target_optimizer_kwargs(optimizer: Any, foreach: bool | None, mode: str, not
         notes.append("optimizer: your factory's own defaults (built-in optimizers default to foreach on CUDA)")
         return {}
     if optimizer in TORCHAO_OPTIM:
-        notes.append(torchao_note(optimizer))
+        notes.append(torchao_note(optimizer, planned))
         return {}
     if optimizer in LOW_BIT or not isinstance(_canonical(optimizer), str):
         return {}  # bitsandbytes' (nbmem.estimation.low_bit says which) and Adafactor: one implementation each

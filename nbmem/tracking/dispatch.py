@@ -70,11 +70,41 @@ class TrackingMode(TorchDispatchMode):
         __tracebackhide__ = True
         if func is _DEVICE:  # a fake tensor's or a DTensor's device query: a real tensor answers it in C++
             return func(*args, **kwargs) if kwargs else func(*args)
+        if types and _seen_through(types):
+            return NotImplemented  # the subclass runs the op, this mode sees the ops it runs (see _seen_through)
         tracker = self.tracker
         before_op(tracker, func, args, kwargs)
         out = func(*args, **kwargs) if kwargs else func(*args)
         after_op(tracker, out)
         return out
+
+
+#: tensor subclass -> whether the mode sees through it (see _seen_through)
+_SEEN_THROUGH: dict[type, bool] = {}
+
+
+def _seen_through(types: Any) -> bool:
+    """Whether an op on these tensor types is left to their own ``__torch_dispatch__``, the mode seeing its ops.
+
+    A mode runs before a subclass and is off the stack while the subclass's
+    ``__torch_dispatch__`` runs, so what the subclass allocates inside is not
+    seen: torchao's low-bit optimizer states (``torchao.optim``'s
+    OptimState8bit/4bit/Fp8) dequantize, compute and quantize again inside
+    each update, and a tracked step missed those temporaries (a review: +3.8 MB
+    of the real eager step's 9.7 MB peak not counted). Answered NotImplemented,
+    the op goes to the subclass with the mode still on the stack, which then
+    counts every tensor it makes, as FakeTensorMode does for them. Other
+    subclasses (DTensor, torchao's weight tensors) are counted by their parts
+    (nbmem.tracking.tracker).
+    """
+    for kind in types:
+        seen = _SEEN_THROUGH.get(kind)
+        if seen is None:
+            seen = _SEEN_THROUGH[kind] = kind is not _Tensor and str(getattr(kind, "__module__", "")).startswith(
+                "torchao.optim")
+        if seen:
+            return True
+    return False
 
 
 def before_op(tracker: Any, func: Any, args: Any, kwargs: Any) -> None:
