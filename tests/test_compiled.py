@@ -532,6 +532,28 @@ def test_compiled_code_that_ran_eagerly_is_not_said_to_have_run_compiled(fresh_d
                for note in past.result.notes)
 
 
+class _Attending(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(64, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 16, 3, 4, 16).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).sum(1)
+
+
+def test_a_compile_estimates_attention_note_counts_no_traces(fresh_dynamo):
+    """Under compile=True the attention kernel runs while Dynamo and AOTAutograd trace, not per step: no count (a
+    review found 7 "calls per step" for 2)."""
+    make = lambda n: (torch.randn(n, 16, 64), torch.randn(n, 16, 64))  # noqa: E731
+    eager = nbmem.estimate(_Attending, make, batch_size=4, optimizer="sgd")
+    planned = nbmem.estimate(_Attending, make, batch_size=4, optimizer="sgd", compile=True)
+    (said,) = [note for note in eager.notes if note.startswith("attention:")]
+    assert said.startswith("attention: 1 scaled_dot_product_attention calls per step modelled as a fused kernel")
+    (said,) = [note for note in planned.notes if note.startswith("attention:")]
+    assert said.startswith("attention: scaled_dot_product_attention calls modelled as a fused kernel")
+
+
 def test_a_planned_graph_refuses_to_run_after_its_estimate(tmp_path):
     from nbmem.estimation.compiled_plan import OUTSIDE_ESTIMATE, Planning, _load_planned
     from nbmem.estimation.fakemode import new_fake_mode

@@ -144,17 +144,24 @@ class FusedAttention(ScopedKernels):
         return output
 
     def notes(self, steps: int = 1) -> list[str]:
-        """What the estimate assumed about attention in each of ``steps`` steps, for its notes (none without SDPA)."""
+        """What the estimate assumed about attention in each of ``steps`` steps, for its notes (none without SDPA).
+
+        ``steps`` 0: the calls were torch.compile's traces (compile=True), not a step's, and are not counted.
+        """
         if not self.calls:
             return []
+
+        def per_step(count: int, what: str) -> str:
+            return f"{count // steps} {what} per step" if steps else what
+
         notes = [
-            f"attention: {self.calls // steps} scaled_dot_product_attention calls per step modelled as a fused kernel (the output and "
+            f"attention: {per_step(self.calls, 'scaled_dot_product_attention calls')} modelled as a fused kernel (the output and "
             "a float32 log-sum-exp per row saved, no attention matrix), as CUDA's flash (bf16/fp16, head_dim <= 256), "
             "memory-efficient (fp32 or a mask) and cuDNN kernels do; which one the GPU picks is not checked here"
         ]
         if self.with_dropout:
             notes.append(
-                f"attention: {self.with_dropout // steps} calls per step with dropout run without it, as CUDA's fused kernels save no "
+                f"attention: {per_step(self.with_dropout, 'calls')} with dropout run without it, as CUDA's fused kernels save no "
                 "dropout mask (they regenerate it)"
             )
         if self.hugging_face and self.masked and (self.unread or not self._skip_wrapped):
@@ -167,7 +174,7 @@ class FusedAttention(ScopedKernels):
             heads = "; ".join(f"{query} query heads, {key} key/value head{'s' if key > 1 else ''}"
                               for query, key in self.grouped)
             notes.append(
-                f"attention: {self.grouped_math // steps} grouped-query calls per step in fp32 ({heads}; Hugging "
+                f"attention: {per_step(self.grouped_math, 'grouped-query calls')} in fp32 ({heads}; Hugging "
                 "Face passes enable_gqa=True "
                 "without a mask) modelled as PyTorch's math kernel, which keeps the attention matrix: CUDA's fused "
                 "kernels take no grouped-query fp32 input (memory-efficient attention takes it from "

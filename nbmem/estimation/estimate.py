@@ -441,7 +441,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             "(e.g. layer norm), so mixed-precision figures may differ from a CUDA run"
         )
     if attention is not None:
-        notes += attention.notes(steps=2)
+        notes += attention.notes(steps=0 if planning is not None else 2)  # compile=True: its calls were traces
     if dropout is not None:
         notes += dropout.notes(steps=2 if task == "train" else 1)
     if kernels is not None:
