@@ -554,6 +554,16 @@ def test_a_compile_estimates_attention_note_counts_no_traces(fresh_dynamo):
     assert said.startswith("attention: scaled_dot_product_attention calls modelled as a fused kernel")
 
 
+def test_a_model_compiled_in_place_is_said_to_lose_it_in_the_copy():
+    """Module.compile() sets a compiled call on the module, which deepcopy drops: said, not silent (a review)."""
+    model = mlp()
+    model[0].compile()
+    result = nbmem.estimate(model, batch, batch_size=8, optimizer="sgd")
+    assert any(note.startswith("compiled in place (Module.compile()): 0; a copy of a module does not keep that")
+               for note in result.notes)
+    assert not any(note.startswith("compiled in place") for note in nbmem.estimate(mlp(), batch, batch_size=8).notes)
+
+
 def test_a_planned_graph_refuses_to_run_after_its_estimate(tmp_path):
     from nbmem.estimation.compiled_plan import OUTSIDE_ESTIMATE, Planning, _load_planned
     from nbmem.estimation.fakemode import new_fake_mode

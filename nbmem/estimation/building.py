@@ -70,6 +70,13 @@ def fresh_model(
     """
     if isinstance(model, nn.Module):
         built = _copied(model, fake_mode, device)
+        in_place = [name or "the model" for name, module in model.named_modules()
+                    if getattr(module, "_compiled_call_impl", None) is not None]
+        if in_place and notes is not None:
+            notes.append(f"compiled in place (Module.compile()): {', '.join(in_place[:3])}"
+                         f"{' and more' if len(in_place) > 3 else ''}; a copy of a module does not keep that, so the "
+                         "estimate runs it as written: eagerly, or with compile=True compiled again with inductor's "
+                         "defaults")
     elif callable(model):
         built = _built(model, fake_mode, device, notes if notes is not None else [])
     else:
