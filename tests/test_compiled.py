@@ -564,6 +564,27 @@ def test_a_model_compiled_in_place_is_said_to_lose_it_in_the_copy():
     assert not any(note.startswith("compiled in place") for note in nbmem.estimate(mlp(), batch, batch_size=8).notes)
 
 
+def test_a_compiled_optimizer_step_traces_none_of_nbmems_accounting(fresh_dynamo):
+    """torch.compile(opt.step) traces the step's pre-hooks and _init_group: nbmem's host-counter hooks stay out of
+    the user's graph (Dynamo traced the tracker's lru_cache'd code before, a review)."""
+    import warnings
+
+    def make_optimizer(parameters):
+        optimizer = torch.optim.AdamW(parameters, lr=torch.tensor(0.01))
+        optimizer.step = torch.compile(optimizer.step)
+        return optimizer
+
+    def train(model, inputs, optimizer):
+        model(*inputs).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nbmem.estimate(mlp, batch, batch_size=8, optimizer=make_optimizer, step=train, compile=True)
+    assert not [str(warning.message) for warning in caught if "lru_cache" in str(warning.message)]
+
+
 def test_a_planned_graph_refuses_to_run_after_its_estimate(tmp_path):
     from nbmem.estimation.compiled_plan import OUTSIDE_ESTIMATE, Planning, _load_planned
     from nbmem.estimation.fakemode import new_fake_mode

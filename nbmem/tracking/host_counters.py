@@ -101,6 +101,8 @@ class HostStepCounters:
         _unpatch()
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if torch.compiler.is_compiling():
+            return  # inside a compiled optimizer step Dynamo traces this: nbmem's accounting stays out of its graph
         if threading.get_ident() != self._thread or optimizer in self._seen or not _counts_on_host(optimizer):
             return
         if not self.tracker.fake and _on_fake_tensors(optimizer):
@@ -216,6 +218,8 @@ def _init_group_on_host(owner: weakref.ref[Any], init: Callable[..., Any], *args
     # the optimizer held weakly: optimizer -> this -> the optimizer would be a cycle, kept until a collection
     optimizer = owner()
     assert optimizer is not None, "an optimizer was let go before its own step"
+    if torch.compiler.is_compiling():  # traced by Dynamo (a compiled step): the optimizer's own, nothing added
+        return init(optimizer, *args, **kwargs)
     hosting = _here()
     if hosting and _on_fake_tensors(optimizer):  # an estimate's: only its own (fake) trackers keep them out
         hosting = [counters for counters in hosting if counters.tracker.fake]
