@@ -170,3 +170,12 @@ def test_presets_are_read_only():
 def test_str_says_where_the_figure_comes_from():
     assert str(PRESETS["T4"]) == "T4: 14.8 GiB as PyTorch reports it (nominal 16 GB GDDR6)"
     assert "no reported total" in str(PRESETS["L4"])
+
+
+def test_a_fraction_without_a_unit_is_refused_not_rounded_to_bytes():
+    """--capacity 1.5 read as 1.5 bytes, shown as '2 B' (a review): a number without a unit is whole bytes."""
+    from nbmem.core.devices import parse_capacity
+
+    with pytest.raises(ValueError, match=r"bytes are whole; give a unit, e.g. '1.5GiB'"):
+        parse_capacity("1.5")
+    assert parse_capacity("1.5GiB") == (1536 * 2**20, "1.5GiB")

@@ -437,6 +437,14 @@ def test_an_option_that_means_nothing_for_the_action_is_refused(shell, action, w
     run(shell, "%gpumem off -q")
 
 
+@pytest.mark.parametrize("line", ["%gpumem --help", "%gpumem on -h", "%%gpumem --help\nx = 1"])
+def test_asking_for_help_shows_the_usage_and_where_the_rest_is(shell, line):
+    result, captured = run(shell, line)
+    assert isinstance(result.error_in_exec, UsageError)
+    said = captured.stderr + captured.stdout
+    assert "usage: %gpumem" in said and "%gpumem?" in said and "unrecognized arguments" not in said
+
+
 def test_every_option_that_means_nothing_is_named(shell):
     result, captured = run(shell, "%gpumem reset -o --free-on-oom --backend tracked")
     assert isinstance(result.error_in_exec, UsageError)

@@ -124,6 +124,10 @@ def parse_options(parser: argparse.ArgumentParser, line: str) -> argparse.Namesp
         raise UsageError(
             f"can't read the options {line.strip()!r} ({error}): close the quote, e.g. --capacity '16 GiB'"
         ) from None
+    if "--help" in words or "-h" in words:  # the magic's parser has no help option; IPython's ? shows its docstring
+        usage = parser.format_usage().replace("::", "", 1).strip()  # IPython's parser writes it as a literal block
+        raise UsageError(f"usage: {usage}\nEvery option and action, with examples: %gpumem? (or %%gpumem? for the "
+                         "cell form)")
     # argparse has no public list of the options that take a value
     takes_value = {
         option for action in parser._actions if action.option_strings and action.nargs is None
