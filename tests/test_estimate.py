@@ -518,3 +518,29 @@ def test_recurrent_and_convolution_layers_say_what_cudnn_holds_beyond_the_estima
               if note.startswith("cuDNN: ")]
     assert len(served) == 2 and all(full.startswith(note.split(";")[0]) for note, full in zip(served, (RNN_NOTE, CONV_NOTE)))
     assert all(note.endswith("measured only for training steps so far") and "H100" not in note for note in served)
+
+
+class _Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, doubled: bool = False) -> torch.Tensor:
+        _FLAGS.append(doubled)
+        out = self.linear(x)
+        return out * 2 if doubled else out
+
+
+_FLAGS: list[object] = []
+
+
+def test_a_batch_dict_passes_plain_values_beside_its_tensors():
+    """CLIP needs return_loss=True in its batch: a dict's plain values go to the model as they are; a dict of plain
+    values alone, or anything else in it, is still refused with what to return."""
+    _FLAGS.clear()
+    estimate(_Flagged, lambda n: {"x": torch.randn(n, 64), "doubled": True}, batch_size=32)
+    assert _FLAGS and all(flag is True for flag in _FLAGS)  # the model got it as the batch gave it
+    with pytest.raises(ValueError, match="a dict of tensors \\(and plain values such as return_loss=True\\)"):
+        estimate(_Flagged, lambda n: {"doubled": True}, batch_size=32)
+    with pytest.raises(ValueError, match="returned dict"):
+        estimate(_Flagged, lambda n: {"x": torch.randn(n, 64), "doubled": [True]}, batch_size=32)

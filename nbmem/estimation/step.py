@@ -111,11 +111,12 @@ def prepared_batch(
 
 
 def checked_batch(value: Any, batch_size: int) -> Any:
-    """The batch as the step uses it: a tensor, a tuple/list of tensors, or a plain dict of tensors.
+    """The batch as the step uses it: a tensor, a tuple/list of tensors, or a plain dict of keyword arguments.
 
     A mapping that is not a dict (Hugging Face's ``BatchEncoding``, a tokenizer's
     output, is a ``UserDict``) becomes a dict, so that it is passed as keyword
-    arguments like one.
+    arguments like one. A dict's values are tensors, with plain values beside
+    them passed as they are (CLIP's ``return_loss=True``).
 
     >>> from collections import UserDict
     >>> checked_batch(UserDict(input_ids=torch.zeros(2, 3)), 2)["input_ids"].shape
@@ -125,12 +126,18 @@ def checked_batch(value: Any, batch_size: int) -> Any:
         value = dict(value)
     if isinstance(value, torch.Tensor) or (
         isinstance(value, (tuple, list)) and value and all(isinstance(item, torch.Tensor) for item in value)
-    ) or (isinstance(value, dict) and value and all(isinstance(item, torch.Tensor) for item in value.values())):
+    ) or (isinstance(value, dict) and any(isinstance(item, torch.Tensor) for item in value.values())
+          and all(isinstance(item, (torch.Tensor, *_PLAIN)) for item in value.values())):
         return value
     raise ValueError(
         f"the batch factory returned {type(value).__name__} for batch_size={batch_size}: it must return a tensor, "
-        "a tuple (inputs, targets) of tensors, or a dict of tensors passed to the model as keyword arguments"
+        "a tuple (inputs, targets) of tensors, or a dict of tensors (and plain values such as return_loss=True) "
+        "passed to the model as keyword arguments"
     )
+
+
+#: Values a batch dict may hold beside its tensors, passed to the model as they are.
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def cast_floats(value: Any, dtype: torch.dtype) -> Any:
