@@ -28,7 +28,7 @@ to come back from the device (at most 16 MiB a file):
   log-sum-exp, the random-number state, the backward's workspaces: flash's
   fp32 dQ accumulator, cuDNN's).
 
-    python benchmarks/gpu_probes_misses.py --out DIR [--budget 240] [--sections trace,rnn,conv,attention]
+    python benchmarks/gpu_probes_misses.py --out DIR [--budget 240] [--sections trace,rnn,conv,attention,grouped_mm]
 
 Writes ``misses.json`` into DIR after every item. Without CUDA it exits 2.
 """
@@ -52,7 +52,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-SECTIONS = ("trace", "rnn", "conv", "attention")
+SECTIONS = ("trace", "rnn", "conv", "attention", "grouped_mm")
 #: the campaign's configurations the replay left furthest from the H100 (model, precision, checkpointing, optimizer)
 MISSES = (
     ("llama (4 layers, 512)", "fp32", False, "adamw"),
@@ -256,6 +256,26 @@ def probe_attention(deadline: float) -> dict[str, Any]:
     return _sweep(grid, make, ("attention",), deadline)
 
 
+def probe_grouped_mm(deadline: float) -> dict[str, Any]:
+    """Mixture-of-experts products (torch._grouped_mm, as transformers 5 runs experts): what each allocates beside
+    its output, forward and backward: on Hopper in bf16 the CUTLASS kernel's argument buffer and workspace, in fp32 a
+    loop of mm (nbmem models the outputs only: nbmem/estimation/kernel_outputs.py)."""
+    def make(dtype: str, experts: int, tokens: int, hidden: int, inner: int) -> Any:
+        kind = getattr(torch, dtype)
+        rows = tokens * 2  # two experts per token
+        inputs = torch.randn(rows, hidden, device="cuda", dtype=kind, requires_grad=True)
+        weights = torch.randn(experts, hidden, inner, device="cuda", dtype=kind, requires_grad=True)
+        offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
+        row = {"dtype": dtype, "experts": experts, "rows": rows, "hidden": hidden, "inner": inner}
+
+        def run() -> torch.Tensor:
+            return torch._grouped_mm(inputs, weights, offs=offsets).float().sum()
+        return row, run
+
+    grid = itertools.product(("bfloat16", "float32"), (8, 64), (512, 4096), (1024,), (2816,))
+    return _sweep(grid, make, ("grouped_mm",), deadline)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_probes_misses.py", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
@@ -282,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if "conv" in sections:
         probes.item("conv", lambda: probe_conv(probes.deadline - 30), reserve=20.0)  # leaves attention time
     if "attention" in sections:
-        probes.item("attention", lambda: probe_attention(probes.deadline), reserve=10.0)
+        probes.item("attention", lambda: probe_attention(probes.deadline - 15), reserve=10.0)  # leaves grouped_mm time
+    if "grouped_mm" in sections:
+        probes.item("grouped_mm", lambda: probe_grouped_mm(probes.deadline), reserve=10.0)
     probes.save()
     print(json.dumps({k: v["status"][:80] for k, v in probes.results["items"].items()}, indent=1))
     return 0

@@ -144,7 +144,7 @@ def test_the_misses_probe_names_the_attention_kernel_pytorch_picks(misses: Modul
     assert misses.sdpa_backend(query, query, torch.ones(16, 16, dtype=torch.bool).tril(), False) == "FLASH_ATTENTION"
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         assert misses.sdpa_backend(query, key, None, True) == "MATH"
-    assert "attention" in misses.SECTIONS
+    assert "attention" in misses.SECTIONS and "grouped_mm" in misses.SECTIONS
 
 
 def test_the_misses_probe_reduces_a_real_h100_history(misses: ModuleType) -> None:
