@@ -116,6 +116,25 @@ def test_settings_that_change_the_trainers_memory_are_named(tmp_path):
     assert read.not_understood[0].startswith("deepspeed optimizer 'AdamW'")
 
 
+def test_bad_arguments_say_how_to_fix_them(tmp_path):
+    """A dict's misspelt key names the right one, a dict without a batch size takes the Trainer's default (8), the
+    class instead of an instance and an iterable dataset say what to pass (a review)."""
+    with pytest.raises(TypeError, match=r"'gradient_acumulation_steps' \(did you mean 'gradient_accumulation_steps'\?\)"):
+        nbmem.estimate_trainer({"gradient_acumulation_steps": 8}, model=build, batch=tokens)
+    assert nbmem.estimate_trainer({"gradient_accumulation_steps": 2}, model=build, batch=tokens).batch_size == 8
+    with pytest.raises(TypeError, match=r"pass TrainingArguments\(\.\.\.\)"):
+        nbmem.estimate_trainer(TrainingArguments, model=build, batch=tokens)
+
+    class Streamed(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(DATA)
+
+    trainer = Trainer(model=build(), args=arguments(tmp_path, max_steps=1), train_dataset=Streamed(),
+                      data_collator=default_data_collator)
+    with pytest.raises(ValueError, match=r"can't be indexed \(an iterable dataset\): pass batch="):
+        nbmem.estimate_trainer(trainer)
+
+
 def test_the_callback_records_each_step(tmp_path):
     callback = nbmem.MemoryCallback(backend="tracked", device="cpu", quiet=True)
     args = arguments(tmp_path, max_steps=3, optim="adamw_torch", max_grad_norm=0.0)

@@ -292,7 +292,10 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
     """
     args = getattr(source, "args", source)
     if isinstance(args, Mapping):  # the arguments as a dict (TrainingArguments(**it) may refuse bf16 on a CPU)
-        args = SimpleNamespace(**args)
+        args = SimpleNamespace(**{"per_device_train_batch_size": 8, **_checked_keys(args)})
+    if isinstance(args, type):
+        raise TypeError(f"estimate_trainer reads an instance: pass {args.__name__}(...) as your run makes it, not the "
+                        "class")
     if not hasattr(args, "per_device_train_batch_size"):
         raise TypeError(f"estimate_trainer reads a transformers Trainer or TrainingArguments, not "
                         f"{type(source).__name__}")
@@ -375,12 +378,32 @@ def _overridden(text: str, knobs: dict[str, Any]) -> bool:
         ("world_size" in knobs and "world_size=" in text)
 
 
+def _checked_keys(arguments: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A dict of training arguments, each key one of TrainingArguments' fields (where transformers is here)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return arguments
+    import difflib
+
+    fields = {field.name for field in dataclasses.fields(TrainingArguments)}
+    wrong = [key for key in arguments if key not in fields]
+    if wrong:
+        hints = [f"{key!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, fields, 1))
+                               else "") for key in wrong]
+        raise TypeError(f"not TrainingArguments settings: {', '.join(hints)}")
+    return arguments
+
+
 def _dataset_batches(trainer: Any) -> Callable[[int], Any]:
     """A Trainer's batches: its train dataset's first examples (repeated if it has fewer), through its collator."""
     dataset, collate = getattr(trainer, "train_dataset", None), getattr(trainer, "data_collator", None)
     if dataset is None or collate is None:
         raise ValueError("pass batch= (a function of the batch size): this has no train dataset and data collator "
                          "to make batches from")
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        raise ValueError(f"the Trainer's train dataset ({type(dataset).__name__}) can't be indexed (an iterable "
+                         "dataset): pass batch= (a function of the batch size)")
     if len(dataset) == 0:
         raise ValueError("the Trainer's train dataset is empty: pass batch= (a function of the batch size)")
 
