@@ -564,6 +564,24 @@ def test_a_model_compiled_in_place_is_said_to_lose_it_in_the_copy():
     assert not any(note.startswith("compiled in place") for note in nbmem.estimate(mlp(), batch, batch_size=8).notes)
 
 
+def test_a_compile_estimate_leaves_the_users_own_compiled_code_compiled(fresh_dynamo):
+    """The user compiled the model class first: its graphs stay (no recompile under fail_on_recompile), and the
+    estimate's graphs left beside them are planned with again by a later estimate (a review found the user's cache
+    wiped by the fix above)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    model = _Breaking()
+    compiled_model = torch.compile(model)
+    inputs = torch.randn(8, 256)
+    compiled_model(inputs).sum().backward()
+    make = lambda n: (torch.randn(n, 256), torch.randn(n, 256))  # noqa: E731
+    first, again = (nbmem.estimate(model, make, batch_size=32, optimizer="sgd", compile=True) for _ in range(2))
+    assert first.steady == again.steady and not any("EAGER" in note for note in again.notes)
+    assert all(_debug_get_cache_entry_list(code) for code in (_head.__code__, _Breaking.forward.__code__))
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled_model(inputs).sum().backward()  # raises if the user's graphs were gone
+
+
 def test_a_compiled_optimizer_step_traces_none_of_nbmems_accounting(fresh_dynamo):
     """torch.compile(opt.step) traces the step's pre-hooks and _init_group: nbmem's host-counter hooks stay out of
     the user's graph (Dynamo traced the tracker's lru_cache'd code before, a review)."""

@@ -91,6 +91,27 @@ def test_the_trainers_step_drops_the_output_before_backward_and_its_own_optimize
     assert (result.first_step, result.steady) == (by_hand.first_step, by_hand.steady)
 
 
+def test_the_optimizer_a_trainer_built_from_optim_is_read_as_optim(tmp_path):
+    """After train() the Trainer keeps the optimizer it built (bitsandbytes' 8-bit AdamW here): read as optim= says,
+    not rebuilt from its class (which made it 32-bit, a review); another library's optimizer given to the Trainer
+    is named."""
+    bnb = pytest.importorskip("bitsandbytes")
+
+    args = arguments(tmp_path, optim="adamw_bnb_8bit", max_steps=1)
+    trainer = Trainer(model=build(), args=args, train_dataset=DATA, data_collator=default_data_collator)
+    before = nbmem.estimate_trainer(trainer)
+    trainer.train()
+    after = nbmem.estimate_trainer(trainer)
+    assert after.breakdown.category("optimizer state") == before.breakdown.category("optimizer state")
+    assert "from the training arguments: the Trainer's optimizer: AdamW, as optim='adamw_bnb_8bit' builds it" \
+        in after.notes
+    model = build()
+    given = Trainer(model=model, args=arguments(tmp_path), train_dataset=DATA, data_collator=default_data_collator,
+                    optimizers=(bnb.optim.AdamW(model.parameters(), optim_bits=8), None))
+    with pytest.raises(ValueError, match=r"the Trainer's own optimizer bitsandbytes\.optim\.adamw\.AdamW"):
+        nbmem.estimate_trainer(given)
+
+
 def test_settings_that_change_the_trainers_memory_are_named(tmp_path):
     """Checkpointing every other layer, reentrant or offloaded; label smoothing (the Trainer's own loss over the
     logits); a compile mode or backend other than inductor's default; FSDP1, a wrap policy other than per block,

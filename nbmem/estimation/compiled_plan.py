@@ -74,6 +74,10 @@ OUTSIDE_ESTIMATE = (
 )
 
 
+#: The plannings of the estimates running now (nested: the innermost last).
+_ACTIVE: list["Planning"] = []
+
+
 class Planning:
     """One estimate's planned compiles: how many planned graphs ran, and whether the estimate is still on."""
 
@@ -170,9 +174,12 @@ def _load_planned(planning: Planning, key: str, path: str, linemap: Any = None, 
     run = module.__dict__["call"]
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not planning.active:  # Dynamo keeps the graph: a later call with inputs its guards let through
+        # Dynamo keeps the graph: a later estimate's fake tensors of the same shapes pass its guards, and it plans
+        # for that estimate (its buffers come from the fake mode then active); outside any estimate it refuses
+        current = planning if planning.active else (_ACTIVE[-1] if _ACTIVE else None)
+        if current is None:
             raise RuntimeError(OUTSIDE_ESTIMATE)
-        planning.calls += 1
+        current.calls += 1
         return run(*args, **kwargs)
 
     module.__dict__["call"] = call
@@ -230,12 +237,15 @@ def planned_inductor(fake_mode: Any) -> Iterator[Planning]:
     cached = _cache_sizes()
     with inductor_config.patch(settings), functorch_config.patch(functorch):
         try:
+            _ACTIVE.append(planning)
             PyCodeCache.load_by_key_path = classmethod(  # type: ignore[method-assign, assignment]
                 lambda cls, *args, **kwargs: _load_planned(planning, *args, **kwargs))
             compile_module.compile_fx = compile_fx  # type: ignore[assignment]
             yield planning
         finally:
             planning.active = False
+            while planning in _ACTIVE:
+                _ACTIVE.remove(planning)
             PyCodeCache.load_by_key_path = real_load  # type: ignore[method-assign]
             compile_module.compile_fx = real_compile
             _forget_planned(cached)
@@ -261,24 +271,26 @@ def _cache_sizes() -> dict[int, int]:
 
 
 def _forget_planned(before: dict[int, int]) -> None:
-    """Empty the Dynamo caches the estimate added to, so no planned graph outlives it.
+    """Empty the Dynamo caches that hold only the estimate's planned graphs.
 
     The estimate enters through a fresh function (:func:`compile_for_estimate`),
     but past a graph break Dynamo compiles the frames it resumes in (a model's
     forward, transformers' loss function, torchao's optimizer step) in the
-    caches of their own, shared code objects, under guards fake tensors of the
-    next estimate pass: a second estimate called the first one's planned graph
-    (and raised), and after 8 the recompile limit made estimates, and the
-    user's own compile of the model, run eagerly. A code object whose cache
-    the estimate added to loses its whole cache (``reset_code``): a compile
-    of the user's own in it is made again at its next call.
+    caches of their own, shared code objects: after 8 estimates of other
+    sizes the recompile limit made estimates, and the user's own compile of
+    the model, run eagerly. A code object that held nothing before the
+    estimate and holds graphs now loses them (``reset_code``). One that held
+    graphs of the user's keeps everything (no API removes one entry, and the
+    user's compiled code must stay compiled): the estimate's graphs there
+    pass only fake tensors' guards, and a later estimate that hits one plans
+    with it (see ``_load_planned``).
     """
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list, reset_code
     from torch._dynamo import convert_frame
 
     with convert_frame.compile_lock:
         for code in _compiled_codes():
-            if len(_debug_get_cache_entry_list(code)) > before.get(id(code), 0):
+            if not before.get(id(code), 0) and _debug_get_cache_entry_list(code):
                 reset_code(code)
 
 

@@ -307,12 +307,21 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
         batch = _dataset_batches(source)
     read = knobs_from_training_arguments(args, world_size)
     reads, not_understood = list(read.read), list(read.not_understood)
-    own = getattr(source, "optimizer", None) if source is not args else None
-    if own is not None and "optimizer" not in knobs:  # Trainer(optimizers=(...)), or the one it built and kept
+    own = _unwrapped(getattr(source, "optimizer", None)) if source is not args else None
+    optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "adamw_torch")))
+    if own is None or "optimizer" in knobs:  # none (yet), or a knob stands for it
+        pass
+    elif _built_from(own, optim):  # the one the Trainer built from optim= (it keeps it after training)
+        reads.append(f"the Trainer's optimizer: {type(own).__name__}, as optim={optim!r} builds it")
+    elif type(own).__module__.startswith("torch.optim."):  # Trainer(optimizers=(...)): its class and defaults
         factory, said = rebuilt_optimizer(own)
         read = TrainingKnobs({**read.knobs, "optimizer": factory}, tuple(reads), tuple(
             text for text in not_understood if not text.startswith(("optim=", "optim_args=", "deepspeed optimizer"))))
         reads = [text for text in reads if not text.startswith("optim=")] + [f"the Trainer's optimizer: {said}"]
+    else:  # another library's, given to the Trainer: its state is not read from its class
+        not_understood.append(f"the Trainer's own optimizer {type(own).__module__}.{type(own).__name__} (pass "
+                              "optimizer= the name or a factory that builds it)")
+        read = TrainingKnobs(read.knobs, tuple(reads), tuple(not_understood))
     settings = {**read.knobs, **knobs}
     if "step" in knobs:
         settings.pop("hold_output", None)  # the user's step holds what it holds
@@ -324,6 +333,31 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
         refuse_unestimated("training", unresolved, "Pass the knob that stands for each (optimizer=..., world_size=...), "
                            "or strict=False to estimate without them")
     return with_reading(estimate(model, batch, **settings), "the training arguments", tuple(reads), unresolved)
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer under accelerate's AcceleratedOptimizer, which the Trainer keeps after training."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _built_from(optimizer: Any, optim: str) -> bool:
+    """Whether ``optimizer`` is what the Trainer builds for ``optim`` (a name nbmem reads): the same library's class,
+    and for torch.optim's the same class and fused setting."""
+    if optim not in OPTIM:
+        return False
+    module, name = type(optimizer).__module__, type(optimizer).__name__
+    if optim in LOW_BIT:
+        return module.startswith("bitsandbytes")
+    if optim in TORCHAO_OPTIM:
+        return module.startswith("torchao")
+    if optim == "adafactor":
+        return name == "Adafactor"
+    knob = str(OPTIM[optim])
+    fused = any(group.get("fused") for group in optimizer.param_groups)
+    return module.startswith("torch.optim.") and name.lower() == knob.removesuffix("-fused").replace("-", "") \
+        and fused == knob.endswith("-fused")
 
 
 def rebuilt_optimizer(optimizer: Any) -> tuple[Callable[..., Any], str]:
@@ -340,8 +374,7 @@ def rebuilt_optimizer(optimizer: Any) -> tuple[Callable[..., Any], str]:
     >>> factory([torch.zeros(3, requires_grad=True)]).defaults["momentum"]
     0.9
     """
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer  # accelerate's AcceleratedOptimizer, which the Trainer keeps after training
+    optimizer = _unwrapped(optimizer)
     kind = type(optimizer)
     accepted = inspect.signature(kind).parameters
     takes_any = any(parameter.kind is parameter.VAR_KEYWORD for parameter in accepted.values())
