@@ -179,3 +179,4 @@ def test_a_fraction_without_a_unit_is_refused_not_rounded_to_bytes():
     with pytest.raises(ValueError, match=r"bytes are whole; give a unit, e.g. '1.5GiB'"):
         parse_capacity("1.5")
     assert parse_capacity("1.5GiB") == (1536 * 2**20, "1.5GiB")
+    assert parse_capacity(16e9)[0] == 16_000_000_000  # a float from code is a size, as before

@@ -122,10 +122,11 @@ def test_nested_scopes_and_an_estimate_inside_share_the_patch_and_leave_nothing(
 def test_an_estimate_inside_a_block_that_steps_no_optimizer_leaves_its_note_out_of_the_block():
     """The estimate's AdamW steps fake tensors: its own tracker keeps its counters out and says so; the block
     around it, which made no optimizer, says nothing about step counters (a review found the note in it)."""
-    with nbmem.track("cpu") as block:
-        estimated = nbmem.estimate(_model, lambda n: torch.ones(n, 256), batch_size=8, optimizer="adamw")
-    assert any("step counters" in note for note in estimated.notes)
-    assert not any("step counters" in note for note in block.result.notes)
+    for knobs in ({}, {"parallel": "fsdp", "world_size": 2}):  # FSDP's parameters are DTensors over fake shards
+        with nbmem.track("cpu") as block:
+            estimated = nbmem.estimate(_model, lambda n: torch.ones(n, 256), batch_size=8, optimizer="adamw", **knobs)
+        assert any("step counters" in note for note in estimated.notes)
+        assert not any("step counters" in note for note in block.result.notes), knobs
 
 
 def test_a_failing_cell_leaves_no_hook_and_an_interrupted_exit_can_be_repeated():

@@ -222,6 +222,14 @@ def test_a_snapshot_path_that_cant_be_written_is_refused_before_the_cell_runs(sh
     assert shell.user_ns["ran"] == 0
 
 
+def test_a_snapshot_path_with_a_tilde_is_written_where_it_points(shell, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shell.run_cell("import torch")
+    assert shell.run_cell("%%gpumem -q --backend tracked --device cpu --snapshot ~/cell.pickle\nx = torch.ones(4)").success
+    assert (tmp_path / "cell.pickle").exists()
+    shell.run_cell("del x")
+
+
 def test_a_snapshot_the_disk_refuses_after_the_cell_keeps_the_cells_value(shell, tmp_path, monkeypatch, capsys):
     from nbmem.core.results import MemoryResult
 

@@ -83,3 +83,26 @@ def test_timeline_and_free_on_oom_flags(shell):
 
     # everything the failed cell made is gone already, without %gpumem free
     assert tracker.allocated() == history(shell)[-1].allocated_before
+
+
+def test_free_on_oom_from_code_that_catches_the_error_frees_at_once(shell):
+    """run_cell_magic in a loop that catches the error: no traceback is shown, so the frames are cleared at once
+    (deferred to the cell's end, the second attempt ran out of memory on what the first left, a review)."""
+    shell.run_cell("import torch\ndef grow():\n    held = torch.zeros(1024, 1024)\n    more = torch.zeros(1024, 1024)\n")
+    tracker = default_tracker("cpu")
+    with MemoryScope(tracker=tracker) as empty:
+        pass
+    shell.user_ns["capacity"] = empty.result.allocated_after + 6 * MiB
+    shell.user_ns.update(left=[], nbmem_tracker=tracker)
+    left = shell.user_ns["left"]
+    with capture_output():
+        result = shell.run_cell(
+            "for attempt in range(2):\n"
+            "    try:\n"
+            "        get_ipython().run_cell_magic('gpumem', f'-q --capacity {capacity} --free-on-oom', 'grow()')\n"
+            "    except torch.OutOfMemoryError:\n"
+            "        left.append(nbmem_tracker.allocated())\n",
+            store_history=True)
+    assert result.success
+    assert left == [empty.result.allocated_after] * 2  # `held` gone after each attempt, before the next
+    assert not [callback for callback in shell.events.callbacks["post_run_cell"] if "release" in callback.__qualname__]

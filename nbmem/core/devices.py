@@ -393,7 +393,7 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
         found = _BY_KEY.get(_key(text))
         if found is not None:
             return found.capacity, found.name
-        if re.fullmatch(r"[0-9]*\.[0-9]+|[0-9]+\.", text):  # bytes without a unit are whole
+        if isinstance(value, str) and re.fullmatch(r"[0-9]*\.[0-9]+|[0-9]+\.", text):  # typed bytes are whole
             raise ValueError(f"can't read {value!r} as a capacity: a number without a unit is bytes, and bytes are "
                              f"whole; give a unit, e.g. '{text}GiB' or '{text}GB'")
         try:

@@ -155,10 +155,10 @@ def estimate(
     gradient lives between steps; ``zero_grad="keep"`` (a loop that calls
     ``zero_grad(set_to_none=False)``) or ``"before_backward"`` (one that
     zeroes between the loss and ``backward()``) keeps them through the next
-    forward, as those loops do; ``hold_output=False`` drops the batch and the
-    output once the loss is made (Hugging Face's Trainer, ``loss =
-    model(**batch).loss``), so only what autograd saved lives through
-    backward; ``optimizer_in_backward=True`` steps each
+    forward, as those loops do; ``hold_output=False`` drops the output once
+    the loss is made (Hugging Face's Trainer, ``loss = model(**batch).loss``),
+    so only what autograd saved of it lives through backward;
+    ``optimizer_in_backward=True`` steps each
     parameter inside backward as soon as its gradient is complete and frees
     the gradient, so the gradients never all live at once. Yours may hold
     more or less: pass

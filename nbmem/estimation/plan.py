@@ -95,9 +95,9 @@ class Plan:
     #: Where the built-in step zeroes gradients (nbmem.estimation.step.ZERO_GRAD): "after_step" (set_to_none=True),
     #: "keep" (set_to_none=False: kept, zero-filled), "before_backward" (zero_grad() between the loss and backward).
     zero_grad: str = "after_step"
-    #: Whether the built-in step holds the batch and the model's output until backward returns (True: ``out =
-    #: model(x); loss = f(out); loss.backward()``), or drops them once the loss is made (False: Hugging Face's
-    #: Trainer, whose compute_loss returns the loss alone, or ``loss = model(**batch).loss; loss.backward()``).
+    #: Whether the built-in step holds the model's output until backward returns (True: ``out = model(x); loss =
+    #: f(out); loss.backward()``), or drops it once the loss is made (False: Hugging Face's Trainer, whose
+    #: compute_loss returns the loss alone, or ``loss = model(**batch).loss; loss.backward()``). The batch is held.
     hold_output: bool = True
     #: The optimizer step fused into backward: each parameter steps (its own optimizer) as soon as its gradient is
     #: complete, and the gradient is freed (nbmem.estimation.optimizers.OptimizerInBackward).

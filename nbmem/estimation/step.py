@@ -5,10 +5,10 @@ the batch factory for a batch, runs forward and the loss (inside
 ``torch.autocast`` for ``"bf16"``/``"fp16"``: forward and loss only, as
 PyTorch's AMP recipe writes it), and holds the batch, the model's output and
 the loss until ``backward()`` returns; then they are dropped (the output is
-not kept through the optimizer step). ``hold_output=False`` drops the batch
-and the output once the loss is made, as Hugging Face's Trainer does
-(``compute_loss`` returns the loss alone): only what autograd saved, and the
-loss, live through backward. Gradients accumulate across the
+not kept through the optimizer step). ``hold_output=False`` drops the
+output once the loss is made, as Hugging Face's Trainer does
+(``compute_loss`` returns the loss alone): only what autograd saved of it,
+the batch and the loss live through backward. Gradients accumulate across the
 micro-batches. After the last one: ``optimizer.step()`` (with fp16, the
 GradScaler's unscale/step/update), then ``zero_grad(set_to_none=True)``, so
 gradients do not live between steps. Where real loops zero differently,
@@ -70,14 +70,14 @@ def run_step(
         with autocast:
             output = _forward(model, inputs)
             value = loss_fn(output, inputs) if loss_fn is not None else _default_loss(output, inputs)
-        if not hold_output:  # the loss alone lives on: Hugging Face's Trainer, `loss = model(**batch).loss`
-            del output, inputs
+        if not hold_output:  # the output goes once the loss is made: Hugging Face's Trainer, `model(**batch).loss`
+            del output
         if zero_grad == "before_backward" and micro_batch == 0:
             optimizer.zero_grad(set_to_none=True)
         (scaler.scale(value) if scaler is not None else value).backward()
-        del value
+        del value, inputs
         if hold_output:
-            del output, inputs
+            del output
     if scaler is not None:
         # GradScaler.step reads the found-inf flag with .item(), which fake
         # tensors can't answer; the memory is the same: unscale, step, update.

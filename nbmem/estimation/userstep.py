@@ -169,8 +169,8 @@ def step_label(step: Any, zero_grad: str = "after_step", hold_output: bool = Tru
 
     held, zeroed = BUILT_IN.split("; optimizer.step()")[0], ZERO_GRAD[zero_grad]
     if not hold_output:
-        held = ("nbmem's built-in: batch and output dropped once the loss is made (as Hugging Face's Trainer does), "
-                "the loss held until backward returns")
+        held = ("nbmem's built-in: output dropped once the loss is made (as Hugging Face's Trainer does), batch and "
+                "loss held until backward returns")
     return held + "; " + zeroed
 
 

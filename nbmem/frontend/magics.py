@@ -241,7 +241,8 @@ class GpuMemMagics(Magics):
         shell = self.shell
         count = self.session.cell_number
         checked, self.session.compiled = self.session.compiled, None
-        body, last = checked[1] if checked and checked[0] == cell else _compiled(shell, cell, count or 0)
+        top = bool(checked and checked[0] == cell)  # IPython runs this cell itself (not run_cell_magic in code)
+        body, last = checked[1] if checked is not None and top else _compiled(shell, cell, count or 0)
         namespace = shell.user_ns
         # measured on CUDA, --snapshot writes what the allocator itself recorded; elsewhere, nbmem's storages
         history = args.snapshot is not None and records_pytorch_history(args.backend, args.device)
@@ -275,7 +276,7 @@ class GpuMemMagics(Magics):
         except BaseException as error:
             if scope.running:
                 failed = scope.stop(error)
-                self._report(failed, args, scope, error, in_place=_stopped(gauge))
+                self._report(failed, args, scope, error, in_place=_stopped(gauge), top=top)
             if recorder is not None:
                 recorder.finish(failed=True)  # the failed cell's snapshot (an OOM's is the one to read)
                 if recorder.written and not args.quiet:
@@ -300,8 +301,8 @@ class GpuMemMagics(Magics):
                 result.to_snapshot(args.snapshot)
             except OSError as error:  # the folder went away, the disk filled: the cell ran, its value stands
                 written = False
-                print(f"gpumem: the snapshot could not be written to {args.snapshot} ({error}); the cell ran and "
-                      "its report is above")
+                print(f"gpumem: the snapshot could not be written to {args.snapshot} ({error}); the cell ran"
+                      + ("" if args.quiet else " and its report is above"))
         if args.snapshot is not None and written:
             if not args.quiet:
                 print(f"gpumem: snapshot written to {args.snapshot} (open it at pytorch.org/memory_viz, or nbmem.load_snapshot)")
@@ -339,6 +340,7 @@ class GpuMemMagics(Magics):
         *,
         shown_as_out: bool = False,
         in_place: str | None = None,
+        top: bool = False,
     ) -> None:
         self.session.record(result)
         if not (args.quiet or shown_as_out):
@@ -351,9 +353,15 @@ class GpuMemMagics(Magics):
             if not args.quiet:
                 display.show_value(diagnose(result, scope.tracker, self.shell.user_ns, error))
             if args.free_on_oom:
-                from ..tracking.reclaim import release_error_once_shown
+                from ..tracking.reclaim import release_error, release_error_once_shown
 
-                release_error_once_shown(self.shell, error, args.device, None if args.quiet else display.show_value)
+                show = None if args.quiet else display.show_value
+                if top:  # IPython shows the traceback next: cleared before, nbmem's frames would show in it
+                    release_error_once_shown(self.shell, error, args.device, show)
+                elif show is not None:  # run_cell_magic from code that may catch the error: at once
+                    show(release_error(error, device=args.device))
+                else:
+                    release_error(error, device=args.device)
 
     def _live(self, quiet: bool, no_live: bool) -> bool:
         """Whether a gauge may show: asked for, and someone is watching (see _env.FrontendProbe)."""
@@ -510,6 +518,9 @@ def unload(shell: Any) -> None:
             pass
     if magics.check_cell in shell.input_transformers_post:
         shell.input_transformers_post.remove(magics.check_cell)
+    from ..tracking.reclaim import forget_pending
+
+    forget_pending(shell)
     _stopped(magics.session.pending_gauge)
     magics.session.pending_gauge = None
     if magics.session.pending_history is not None:

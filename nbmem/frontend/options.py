@@ -65,7 +65,7 @@ def read_options(parser: argparse.ArgumentParser, line: str, cell: str | None) -
     if args.engine not in ENGINES:
         raise UsageError(f"--engine {args.engine!r} is not known: use one of {', '.join(ENGINES)}")
     if getattr(args, "snapshot", None) is not None:
-        check_snapshot_path(args.snapshot)
+        args.snapshot = check_snapshot_path(args.snapshot)
     try:
         resolved = resolve_backend(args.backend, args.device)
         if args.capacity is not None:
@@ -81,8 +81,9 @@ def read_options(parser: argparse.ArgumentParser, line: str, cell: str | None) -
     return args
 
 
-def check_snapshot_path(value: str) -> None:
-    """A UsageError, before the cell runs, for a ``--snapshot`` file that could not be written after it.
+def check_snapshot_path(value: str) -> str:
+    """The ``--snapshot`` file, ``~`` expanded; a UsageError, before the cell runs, for one that could not be
+    written after it.
 
     >>> check_snapshot_path("/no/such/folder/cell.pickle")
     Traceback (most recent call last):
@@ -100,6 +101,7 @@ def check_snapshot_path(value: str) -> None:
                          "that does")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UsageError(f"--snapshot {value}: not writable here; name a file in a folder you can write to")
+    return str(path)
 
 
 def unsilenced(line: str) -> str:

@@ -239,7 +239,10 @@ RECOMPILE_LIMIT_NOTE = (
 
 
 def past_recompile_limit() -> bool:
-    """Whether some code Dynamo compiled holds as many graphs as its recompile limit allows (new inputs: eager)."""
+    """Whether some code Dynamo compiled holds exactly as many graphs as its recompile limit allows (new inputs run
+    eagerly). Code compiled with the limit lifted (torchao's optimizer steps, under ``disable_cache_limit``) holds
+    more, and is not counted; one that holds exactly the limit that way is (a false "unknown", never a false
+    "compiled")."""
     if "torch._dynamo" not in sys.modules:
         return False
     try:
@@ -248,7 +251,7 @@ def past_recompile_limit() -> bool:
 
         limit = config.recompile_limit
         codes = [ref() for ref in convert_frame.input_codes.seen]
-        return any(code is not None and len(_debug_get_cache_entry_list(code)) >= limit for code in codes)
+        return any(code is not None and len(_debug_get_cache_entry_list(code)) == limit for code in codes)
     except (ImportError, AttributeError):  # another torch's internals: nothing known
         return False
 

@@ -211,7 +211,8 @@ def _on_fake_tensors(optimizer: Any) -> bool:
     """Whether ``optimizer`` steps fake tensors (an estimate's), which a real block's tracker never counts."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(parameter, FakeTensor) for group in optimizer.param_groups for parameter in group["params"])
+    return any(isinstance(getattr(parameter, "_local_tensor", parameter), FakeTensor)  # a DTensor's (FSDP): its shard
+               for group in optimizer.param_groups for parameter in group["params"])
 
 
 def _init_group_on_host(owner: weakref.ref[Any], init: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

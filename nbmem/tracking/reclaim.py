@@ -46,7 +46,7 @@ from .scope import resolve_backend
 from .tracker import default_tracker
 from ..core.units import format_bytes
 
-__all__ = ["Reclaimed", "free", "release_error", "release_error_once_shown"]
+__all__ = ["Reclaimed", "free", "release_error", "release_error_once_shown", "forget_pending"]
 
 #: Where the interpreter keeps the last uncaught error; IPython sets these too.
 _SYS_LAST = ("last_type", "last_value", "last_traceback", "last_exc")
@@ -176,11 +176,28 @@ def release_error_once_shown(shell: Any, error: BaseException, device: str | tor
             shell.events.unregister("post_run_cell", release)
         except ValueError:
             pass
+        if release in _PENDING:
+            _PENDING.remove(release)
         reclaimed = release_error(error, device=device)
         if show is not None:
             show(reclaimed)
 
+    _PENDING.append(release)  # first: a Ctrl-C between the two leaves nothing registered that forget_pending misses
     shell.events.register("post_run_cell", release)
+
+
+#: The callbacks release_error_once_shown registered and that have not run yet.
+_PENDING: list[Callable[..., None]] = []
+
+
+def forget_pending(shell: Any) -> None:
+    """Unregister every :func:`release_error_once_shown` callback not run yet (``%unload_ext``)."""
+    while _PENDING:
+        release = _PENDING.pop()
+        try:
+            shell.events.unregister("post_run_cell", release)
+        except ValueError:
+            pass
 
 
 def _reclaim(release: Callable[[], list[str]], device: str | torch.device | None, empty_cache: bool) -> Reclaimed:

@@ -211,7 +211,7 @@ def max_batch_size(
     segments follow; by default this process's PYTORCH_ALLOC_CONF. ``block``
     names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad`` where
-    the built-in step zeroes gradients, ``hold_output`` whether it holds the batch and output through backward,
+    the built-in step zeroes gradients, ``hold_output`` whether it holds the model's output through backward,
     ``optimizer_in_backward`` steps each
     parameter inside backward, ``mp_policy`` is FSDP2's mixed precision
     (``cpu_offload`` its CPU offload),

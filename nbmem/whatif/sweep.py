@@ -116,7 +116,7 @@ def sweep(
     sets the allocator settings every simulated reserved figure follows;
     ``block`` names the block checkpointing wraps and FSDP shards,
     ``checkpoint_saves`` what checkpointed blocks keep, ``zero_grad``
-    where the built-in step zeroes gradients, ``hold_output`` whether it holds the batch and output through
+    where the built-in step zeroes gradients, ``hold_output`` whether it holds the model's output through
     backward, ``optimizer_in_backward``
     steps each parameter inside backward, ``mp_policy`` is FSDP2's mixed
     precision and ``cpu_offload`` its CPU offload, for the FSDP configurations, and ``attention`` a Hugging Face

@@ -82,8 +82,10 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
     # Trainer.training_step: loss = compute_loss(model, inputs) (the model's outputs are not returned), del inputs,
     # then backward(loss): only the loss and what autograd saved live through backward
     knobs["hold_output"] = False
-    read.append("the Trainer's step: compute_loss returns the loss alone and the batch is dropped before backward: "
-                "hold_output=False")
+    read.append("the Trainer's step: compute_loss returns the loss alone, so the model's output is gone before "
+                "backward: hold_output=False" + (f" (it fetches the step's {knobs['accumulation']} micro-batches before "
+                "the first; those not in use, a few bytes of token ids each, are not counted)"
+                if knobs["accumulation"] > 1 else ""))
     if setting("bf16", False) and setting("fp16", False):
         unknown.append("bf16=True and fp16=True together (transformers refuses them too)")
     knobs["precision"] = "bf16" if setting("bf16", False) else "fp16" if setting("fp16", False) else "fp32"
