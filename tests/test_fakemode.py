@@ -546,14 +546,20 @@ def test_grouped_mm_is_made_as_the_kernel_makes_it_in_every_dtype_it_takes(layou
     (torch.empty(12, 16), torch.empty(3, 16, 8), None, "offsets"),
     (torch.empty(12, 16), torch.empty(3, 12, 8), [4, 8, 12], "contraction dimension"),
     (torch.empty(12, 16), torch.empty(3, 16, 6), [4, 8, 12], "16 bytes"),
+    (torch.empty(12, 16), torch.empty(3, 16, 8), torch.tensor([4, 8, 12]), "int32"),
 ])
 def test_grouped_mm_refuses_what_the_kernel_refuses(a, b, offsets, message):
     """The real kernel's checks, with its words, on fake tensors too: a step that fails on a GPU fails here."""
-    offs = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    values, kind = (offsets.tolist(), offsets.dtype) if isinstance(offsets, torch.Tensor) else (offsets, torch.int32)
+
+    def as_offsets(given):
+        return torch.tensor(values, dtype=kind)
+
+    offs = None if offsets is None else as_offsets(offsets)
     with pytest.raises(RuntimeError) as real:
         torch._grouped_mm(a, b, offs=offs)
     with FastKeyFakeTensorMode(), pytest.raises(RuntimeError, match=message) as fake:
-        fake_offs = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+        fake_offs = None if offsets is None else as_offsets(offsets)
         torch._grouped_mm(torch.empty_strided(a.shape, a.stride(), dtype=a.dtype),
                           torch.empty_strided(b.shape, b.stride(), dtype=b.dtype), offs=fake_offs)
     assert message.lower() in str(real.value).lower()

@@ -100,6 +100,7 @@ def grouped_mm(mode: Any, mat_a: Any, mat_b: Any, offs: Any = None, bias: Any = 
     mode._nbmem_grouped_mm += 1
     a_2d, b_2d = mat_a.dim() == 2, mat_b.dim() == 2
     torch._check((offs is not None) == (a_2d or b_2d), lambda: "Have to provide offsets if there is a 2d matrix")
+    torch._check(offs is None or offs.dtype == torch.int32, lambda: "Offsets have to be int32")
     if not (a_2d and b_2d):
         torch._check(mat_a.size(-1) == mat_b.size(-2),
                      lambda: "contraction dimension of mat_a and mat_b must match")
