@@ -68,7 +68,8 @@ def test_the_trainer_and_the_modules_own_step_are_estimated():
     assert plain.breakdown.category("optimizer state") == same.breakdown.category("optimizer state") > 0
     mixed = nbmem.estimate_lightning(trainer(precision="bf16-mixed", accumulate_grad_batches=2), Classifier, batch,
                                      batch_size=64)
-    assert mixed.precision == "bf16"
+    assert mixed.precision == "bf16" and mixed.accumulation == 2 and mixed.effective_batch == 128
+    assert "batch 64 x 2 micro-batches = 128, bf16" in str(mixed).splitlines()[0]  # as the Trainer's headline says
     assert any(note.startswith("from the Lightning trainer: accumulate_grad_batches=2") for note in mixed.notes)
     tracked = nbmem.estimate_lightning(trainer(), Classifier, batch, batch_size=64, mode="tracked")
     assert (tracked.first_step, tracked.steady) == (plain.first_step, plain.steady)

@@ -18,6 +18,7 @@ Example (with lightning installed)::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -160,6 +161,8 @@ def estimate_lightning(trainer: Any, module: Any, batch: Callable[[int], Any], *
     accumulation = settings.pop("accumulation")
     step = lightning_step(batch, batch_size, accumulation)
     result = estimate(module, batch, batch_size=batch_size, optimizer=None, step=step, **{**settings, **knobs})
+    # the step ran Lightning's micro-batches itself: the result says how many, as an estimate with accumulation= does
+    result = dataclasses.replace(result, accumulation=accumulation)
     return with_reading(result, "the Lightning trainer", read.read, read.not_understood,
                         "the step: the module's training_step per micro-batch, zero_grad() before the first backward(), "
                         "then its optimizer's step() (a torch.optim one with foreach, as CUDA defaults), as "
