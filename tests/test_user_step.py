@@ -373,6 +373,7 @@ def test_launched_ranks_run_the_step():
     ranks = nbmem.launch(build, make, batch_size=8, parallel="ddp", world_size=2, optimizer="sgd", step=holding)
     estimated = estimate(build, make, batch_size=8, parallel="ddp", world_size=2, optimizer="sgd", step=holding)
     assert ranks.ranks[0].step == "yours: holding, run as written"
-    # to the byte, but for one 512 B block a real gloo rank sometimes keeps a moment longer: seen here
-    # for the built-in step too (1691648 against 1691136 in 1 launch of 6), so test_parallel allows 2 %
-    assert [rank.peak - estimated.peak for rank in ranks.ranks] in ([0, 0], [512, 0], [0, 512], [512, 512])
+    # to the byte, but for a 512 B block a real gloo rank sometimes keeps a moment longer: seen here
+    # for the built-in step too (1691648 against 1691136 in 1 launch of 6; 4 launches of 12 on 2026-11-27), and
+    # two such blocks once in CI, under coverage (rank 0 +1,024 B); test_parallel allows 2 %
+    assert all(0 <= rank.peak - estimated.peak <= 1024 for rank in ranks.ranks)
