@@ -47,6 +47,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..tracking.compiled import dynamo_codes
+
 __all__ = ["planned_inductor", "compile_for_estimate", "dynamo_shapes_left_as_found", "quiet_about_hooks", "missing_internals", "Planning", "PLAN_NOTE", "UNPLANNED_NOTE"]
 
 #: What an estimate with compile=True says about its figures.
@@ -251,23 +253,10 @@ def planned_inductor(fake_mode: Any) -> Iterator[Planning]:
             _forget_planned(cached)
 
 
-def _compiled_codes() -> list[types.CodeType]:
-    """The code objects Dynamo has been handed or made (torch 2.13's trackers; none where they differ)."""
-    from torch._dynamo import convert_frame
-
-    codes = []
-    for tracker in (getattr(convert_frame, "input_codes", None), getattr(convert_frame, "output_codes", None)):
-        for ref in getattr(tracker, "seen", ()):
-            code = ref()
-            if code is not None:
-                codes.append(code)
-    return codes
-
-
 def _cache_sizes() -> dict[int, int]:
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    return {id(code): len(_debug_get_cache_entry_list(code)) for code in _compiled_codes()}
+    return {id(code): len(_debug_get_cache_entry_list(code)) for code in dynamo_codes()}
 
 
 def _forget_planned(before: dict[int, int]) -> None:
@@ -289,7 +278,7 @@ def _forget_planned(before: dict[int, int]) -> None:
     from torch._dynamo import convert_frame
 
     with convert_frame.compile_lock:
-        for code in _compiled_codes():
+        for code in dynamo_codes():
             if not before.get(id(code), 0) and _debug_get_cache_entry_list(code):
                 reset_code(code)
 

@@ -442,11 +442,12 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         )
     if attention is not None:
         notes += attention.notes(steps=0 if planning is not None else 2)  # compile=True: its calls were traces
+    steps = 2 if task == "train" else 1  # the runs that counted calls
     if dropout is not None:
-        notes += dropout.notes(steps=2 if task == "train" else 1)
+        notes += dropout.notes(steps=steps)
     if kernels is not None:
-        notes += kernels.notes(steps=2 if task == "train" else 1)
-    notes += grouped_mm_notes(fake_mode, steps=2 if task == "train" else 1)
+        notes += kernels.notes(steps=steps)
+    notes += grouped_mm_notes(fake_mode, steps=steps)
     if mode == "measured":
         notes.append(
             f"measured by {allocator_of(str(run_on))}, relative to what was allocated before; it includes the "

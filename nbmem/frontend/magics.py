@@ -241,8 +241,9 @@ class GpuMemMagics(Magics):
         shell = self.shell
         count = self.session.cell_number
         checked, self.session.compiled = self.session.compiled, None
-        top = bool(checked and checked[0] == cell)  # IPython runs this cell itself (not run_cell_magic in code)
-        body, last = checked[1] if checked is not None and top else _compiled(shell, cell, count or 0)
+        ready = checked[1] if checked is not None and checked[0] == cell else None  # compiled by check_cell
+        top = ready is not None  # IPython runs this cell itself (not run_cell_magic in code)
+        body, last = ready if ready is not None else _compiled(shell, cell, count or 0)
         namespace = shell.user_ns
         # measured on CUDA, --snapshot writes what the allocator itself recorded; elsewhere, nbmem's storages
         history = args.snapshot is not None and records_pytorch_history(args.backend, args.device)
@@ -358,10 +359,10 @@ class GpuMemMagics(Magics):
                 show = None if args.quiet else display.show_value
                 if top:  # IPython shows the traceback next: cleared before, nbmem's frames would show in it
                     release_error_once_shown(self.shell, error, args.device, show)
-                elif show is not None:  # run_cell_magic from code that may catch the error: at once
-                    show(release_error(error, device=args.device))
-                else:
-                    release_error(error, device=args.device)
+                else:  # run_cell_magic from code that may catch the error: at once
+                    reclaimed = release_error(error, device=args.device)
+                    if show is not None:
+                        show(reclaimed)
 
     def _live(self, quiet: bool, no_live: bool) -> bool:
         """Whether a gauge may show: asked for, and someone is watching (see _env.FrontendProbe)."""

@@ -41,7 +41,7 @@ from typing import Any, Iterator, Mapping
 import torch
 
 __all__ = ["watch", "unwatch", "calls_since", "expects_compiled", "eager_stance", "remove_probe", "forget_watches", "probe_installed", "seen", "note_seen", "compiled_anywhere",
-           "dynamo_saw_frames", "past_recompile_limit", "RECOMPILE_LIMIT_NOTE"]
+           "dynamo_saw_frames", "dynamo_codes", "past_recompile_limit", "RECOMPILE_LIMIT_NOTE"]
 
 #: Compiled regions entered while any watch was on, and those of them run eagerly on purpose (only grow).
 _entered = 0
@@ -238,6 +238,19 @@ RECOMPILE_LIMIT_NOTE = (
 )
 
 
+def dynamo_codes() -> list[Any]:
+    """The code objects Dynamo has been handed or made, alive (torch 2.13's trackers; none where they differ)."""
+    from torch._dynamo import convert_frame
+
+    codes = []
+    for tracker in (getattr(convert_frame, "input_codes", None), getattr(convert_frame, "output_codes", None)):
+        for ref in getattr(tracker, "seen", ()):
+            code = ref()
+            if code is not None:
+                codes.append(code)
+    return codes
+
+
 def past_recompile_limit() -> bool:
     """Whether some code Dynamo compiled holds exactly as many graphs as its recompile limit allows (new inputs run
     eagerly). Code compiled with the limit lifted (torchao's optimizer steps, under ``disable_cache_limit``) holds
@@ -247,11 +260,10 @@ def past_recompile_limit() -> bool:
         return False
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-        from torch._dynamo import config, convert_frame
+        from torch._dynamo import config
 
         limit = config.recompile_limit
-        codes = [ref() for ref in convert_frame.input_codes.seen]
-        return any(code is not None and len(_debug_get_cache_entry_list(code)) == limit for code in codes)
+        return any(len(_debug_get_cache_entry_list(code)) == limit for code in dynamo_codes())
     except (ImportError, AttributeError):  # another torch's internals: nothing known
         return False
 

@@ -61,7 +61,7 @@ def knobs_from_lightning(trainer: Any, world_size: int | None = None) -> Trainin
     accumulation = 1 if fabric else int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     if accumulation > 1:
         read.append(f"accumulate_grad_batches={accumulation}: that many micro-batches per optimizer step")
-    strategy = type(getattr(trainer, "strategy", None)).__name__
+    strategy = type(strategy_object).__name__
     size = world_size if world_size is not None else int(getattr(trainer, "world_size", 1) or 1)
     if strategy == "DDPStrategy" and size > 1:
         knobs["parallel"], knobs["world_size"] = "ddp", size

@@ -133,7 +133,6 @@ def knobs_from_training_arguments(args: Any, world_size: int | None = None) -> T
                            "autotuning are not modelled)")
         if backend not in (None, "inductor"):
             unknown.append(f"torch_compile_backend={backend!r} (nbmem plans inductor's memory)")
-    if setting("torch_compile", False):
         if knobs.get("parallel", "single") == "single":
             knobs["compile"] = True
             read.append("torch_compile=True: compile=True (inductor plans the step on fake tensors)")
@@ -308,7 +307,7 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
     if batch is None:
         batch = _dataset_batches(source)
     read = knobs_from_training_arguments(args, world_size)
-    reads, not_understood = list(read.read), list(read.not_understood)
+    found, reads, not_understood = dict(read.knobs), list(read.read), list(read.not_understood)
     own = _unwrapped(getattr(source, "optimizer", None)) if source is not args else None
     optim = str(getattr(getattr(args, "optim", None), "value", getattr(args, "optim", "adamw_torch")))
     if own is None or "optimizer" in knobs:  # none (yet), or a knob stands for it
@@ -316,21 +315,20 @@ def estimate_trainer(source: Any, model: Any = None, batch: Any = None, *, stric
     elif _built_from(own, optim):  # the one the Trainer built from optim= (it keeps it after training)
         reads.append(f"the Trainer's optimizer: {type(own).__name__}, as optim={optim!r} builds it")
     elif type(own).__module__.startswith("torch.optim."):  # Trainer(optimizers=(...)): its class and defaults
-        factory, said = rebuilt_optimizer(own)
-        read = TrainingKnobs({**read.knobs, "optimizer": factory}, tuple(reads), tuple(
-            text for text in not_understood if not text.startswith(("optim=", "optim_args=", "deepspeed optimizer"))))
+        found["optimizer"], said = rebuilt_optimizer(own)
+        not_understood = [text for text in not_understood
+                          if not text.startswith(("optim=", "optim_args=", "deepspeed optimizer"))]
         reads = [text for text in reads if not text.startswith("optim=")] + [f"the Trainer's optimizer: {said}"]
     else:  # another library's, given to the Trainer: its state is not read from its class
         not_understood.append(f"the Trainer's own optimizer {type(own).__module__}.{type(own).__name__} (pass "
                               "optimizer= the name or a factory that builds it)")
-        read = TrainingKnobs(read.knobs, tuple(reads), tuple(not_understood))
-    settings = {**read.knobs, **knobs}
+    settings = {**found, **knobs}
     if "step" in knobs:
         settings.pop("hold_output", None)  # the user's step holds what it holds
     if settings.get("mode", "estimated") != "estimated" and settings.get("compile") and "compile" not in knobs:
         settings["compile"] = False  # a real run of the step here: torch_compile's plan is an estimate's
     # a knob given explicitly answers for the setting it replaces
-    unresolved = [text for text in read.not_understood if not _overridden(text, knobs)]
+    unresolved = [text for text in not_understood if not _overridden(text, knobs)]
     if strict:
         refuse_unestimated("training", unresolved, "Pass the knob that stands for each (optimizer=..., world_size=...), "
                            "or strict=False to estimate without them")
