@@ -95,13 +95,16 @@ def compact(snapshot: dict[str, Any]) -> dict[str, Any]:
     return {"events": events, "peak_in_trace": peak, "peak_event": at}
 
 
-def _record(entries: int) -> None:
-    """Start the allocator's history afresh (an earlier item's entries dropped), with Python frames only."""
+def _record(entries: int, frames: bool = True) -> None:
+    """Start the allocator's history afresh (an earlier item's entries dropped), with Python frames only, or with
+    none: on torch 2.11 a checkpointed backward recorded with Python frames fails (SystemError in run_backward, the
+    recomputation's Python in the autograd thread)."""
+    context = {} if frames else {"context": None}
     try:
-        torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python", clear_history=True)
+        torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python", clear_history=True, **context)
     except TypeError:  # a torch before clear_history
         torch.cuda.memory._record_memory_history(enabled=None)
-        torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python")
+        torch.cuda.memory._record_memory_history(max_entries=entries, stacks="python", **context)
 
 
 def probe_trace(name: str, precision: str, checkpointing: bool, optimizer: str) -> dict[str, Any]:
@@ -116,7 +119,7 @@ def probe_trace(name: str, precision: str, checkpointing: bool, optimizer: str) 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    _record(200_000)
+    _record(200_000, frames=not checkpointing)
     try:
         result = estimate(build, make, mode="measured", **knobs)
         torch.cuda.synchronize()
@@ -266,10 +269,12 @@ def probe_grouped_mm(deadline: float) -> dict[str, Any]:
         inputs = torch.randn(rows, hidden, device="cuda", dtype=kind, requires_grad=True)
         weights = torch.randn(experts, hidden, inner, device="cuda", dtype=kind, requires_grad=True)
         offsets = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * (rows // experts)
+        # a weighted sum: .sum()'s gradient is an expanded (stride 0) tensor, which grouped_mm's backward refuses
+        weighting = torch.randn(rows, inner, device="cuda")
         row = {"dtype": dtype, "experts": experts, "rows": rows, "hidden": hidden, "inner": inner}
 
         def run() -> torch.Tensor:
-            return torch._grouped_mm(inputs, weights, offs=offsets).float().sum()
+            return (torch._grouped_mm(inputs, weights, offs=offsets).float() * weighting).sum()
         return row, run
 
     grid = itertools.product(("bfloat16", "float32"), (8, 64), (512, 4096), (1024,), (2816,))
