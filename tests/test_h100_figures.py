@@ -107,15 +107,22 @@ def test_where_cudnn_runs_the_estimate_says_so_with_the_measured_gap(replayed: l
     lstm = [row for row in replayed if row["model"] == "lstm"]
     cnn = [row for row in replayed if row["model"] == CUDNN[1]]
     assert len(lstm) == 7 and len(cnn) == 3
-    assert all(RNN_NOTE in row["notes"] and CONV_NOTE not in row["notes"] for row in lstm)
+    # an LSTM's estimate follows cuDNN's RNN kernel (nbmem/estimation/cudnn_rnn.py, 2026-11-27): within 2.5 % of
+    # the H100's peaks, where PyTorch's kernels (the campaign's estimates) were 51-60 % below
+    assert all(RNN_NOTE not in row["notes"] and CONV_NOTE not in row["notes"] for row in lstm)
+    assert all(any(note.startswith("cuDNN: 1 LSTM/GRU call per step modelled") for note in row["notes"])
+               for row in lstm)
+    errors = [_error(row["today"], row["measured"]) for row in lstm]
+    assert -0.005 <= min(errors) and max(errors) <= 0.025, errors
+    assert max(_error(row["today_reserved"], row["measured_reserved"]) for row in lstm) <= 0.09
     assert all(CONV_NOTE in row["notes"] and RNN_NOTE not in row["notes"] for row in cnn)
-    # the figures the notes quote are the H100's: an LSTM step allocated 17-21 MiB (51-60 %) and reserved
-    # 32-34 MiB more than estimated
-    more = [(row["measured"] - row["today"]) / MiB for row in lstm]
+    # the figures RNN_NOTE quotes (for PyTorch's kernels: a tracked run, or an RNN cuDNN's model leaves out) are the
+    # campaign's estimates beside the H100's: 17-21 MiB (51-60 %) allocated and 32-34 MiB reserved more
+    more = [(row["measured"] - row["estimated"]) / MiB for row in lstm]
     assert 17 <= min(more) and max(more) < 21, more
-    share = [1 - row["today"] / row["measured"] for row in lstm]
+    share = [1 - row["estimated"] / row["measured"] for row in lstm]
     assert 0.51 <= min(share) and max(share) < 0.61, share
-    assert {(row["measured_reserved"] - row["today_reserved"]) // MiB for row in lstm} == {32, 34}
+    assert {(row["measured_reserved"] - row["estimated_reserved"]) // MiB for row in lstm} == {32, 34}
     # a CNN's fp32 steps allocated 2.8 MiB more (12-16 %: this run's one, 15 %, and the quick run's four,
     # results/2026-11-25-gpu/campaign-run3-quick.json, 12.5-15.7 %); its bf16 steps reserved 20 MiB more
     (fp32,) = [row for row in cnn if row["precision"] == "fp32"]

@@ -4,8 +4,10 @@ Estimates and tracked runs execute PyTorch's own kernels. On an NVIDIA GPU,
 recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) and convolutions run
 cuDNN's instead, which allocate memory of their own through the caching
 allocator: an RNN keeps a reserve buffer for backward and takes workspaces, a
-convolution takes a workspace sized by the algorithm cuDNN picks. nbmem does
-not model them yet; its results say so when such layers ran, with what an
+convolution takes a workspace sized by the algorithm cuDNN picks. Estimates
+for an NVIDIA GPU model cuDNN's LSTM and GRU kernel (nbmem.estimation.cudnn_rnn,
+a layer above this one); tracked runs, convolutions and the RNNs that model
+leaves out run PyTorch's kernels, and their results say so, with what an
 H100 measured beyond nbmem's figures (torch 2.11, cuDNN 9.19, 2026-11-25:
 ``benchmarks/results/2026-11-25-gpu/campaign-run4-zoo.json``, replayed by
 ``benchmarks/bench_campaign_replay.py``; ``tests/test_h100_figures.py``
@@ -36,7 +38,8 @@ _CONV = (
 )
 RNN_NOTE = (
     f"{_RNN}. On an H100 (cuDNN 9.19) a training step of a 2-layer, 256-wide LSTM over batch 8 x 32 steps allocated "
-    "17-21 MiB more than its estimate, which was 51-60 % below the measured peak, and reserved 32-34 MiB more. "
+    "17-21 MiB more than PyTorch's kernels' figure, which was 51-60 % below the measured peak, and reserved 32-34 MiB "
+    "more (an estimate for an NVIDIA GPU models cuDNN's kernel where it can: nbmem.estimation.cudnn_rnn). "
     "Measure it on the GPU before trusting this figure"
 )
 CONV_NOTE = (

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .attention import FusedAttention, set_attention
+from .cudnn_rnn import CudnnRNN
 from .dropout import FusedDropout
 from .kernel_outputs import grouped_mm_notes
 from .finetune import TrainedWatch, apply_trainable
@@ -42,7 +43,7 @@ from .building import (
 from .low_bit import TORCHAO_OPTIM, prepare_low_bit
 from .optimizers import (in_backward, library_optimizer, optimizer_factory,
                          target_optimizer_kwargs)
-from .workspaces import WithWorkspaces, cudnn_notes, workspaces_for
+from .workspaces import WithWorkspaces, cudnn_notes, runs_cudnn, workspaces_for
 from .parallel import fsdp_family, fsdp_units, host_figures, host_note, offload_to_host, parallelize, process_group
 from .quantization import classify_quantization_state, code_maps, parameter_count, prepare_quantized, quantized
 from .compiled_plan import (PLAN_NOTE, UNPLANNED_NOTE, compile_for_estimate, dynamo_shapes_left_as_found,
@@ -294,6 +295,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     # dropout as CUDA's and XPU's fused kernel keeps it (not MPS's); inductor's plan follows its own lowering
     on_mps = getattr(PRESETS.get(label or ""), "backend", "cuda") == "mps"
     dropout = FusedDropout() if mode != "measured" and not planned and not on_mps else None
+    # an LSTM's or GRU's memory as cuDNN's kernel takes it, for an NVIDIA GPU (or none named), on fake tensors
+    rnn = CudnnRNN() if fake_mode is not None and not planned and runs_cudnn(label) else None
     planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
@@ -380,7 +383,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else None
             if kernels is not None:
                 follow_cuda(network)
-            for rule in (policy, attention, dropout, kernels):  # CUDA's autocast lists, attention, dropout, bitsandbytes
+            for rule in (policy, attention, dropout, rnn, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN, bitsandbytes
                 if rule is not None:
                     target_rules.enter_context(rule)
             if not planned and (fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM)):  # a tracked torchao optimizer too
@@ -445,6 +448,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     steps = 2 if task == "train" else 1  # the runs that counted calls
     if dropout is not None:
         notes += dropout.notes(steps=steps)
+    if rnn is not None:
+        notes += rnn.notes(steps=steps)
     if kernels is not None:
         notes += kernels.notes(steps=steps)
     notes += grouped_mm_notes(fake_mode, steps=steps)
@@ -464,7 +469,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes.append("kernel workspaces other than cuBLAS's are not included (inductor's plan follows oneDNN's CPU kernels)"
                      if planned else "kernel workspaces other than cuBLAS's are not included (CPU oneDNN kernels are "
                      "turned off for the step)")
-        notes += cudnn_notes(network, label, task)
+        notes += cudnn_notes(network, label, task, rnn_modelled=rnn is not None and bool(rnn.calls) and not rnn.unmodelled)
     if planning is not None:
         if planning.calls == 0:
             notes.insert(0, UNPLANNED_NOTE)

@@ -30,7 +30,7 @@ from ..core.cudnn import CONV_NOTE, RNN_NOTE, cudnn_kind, notes_for
 from ..core.devices import COMPUTE_CAPABILITY, PRESETS
 from ..core.units import format_bytes
 
-__all__ = ["Workspaces", "WithWorkspaces", "workspace_size", "workspaces_for", "cudnn_notes", "RNN_NOTE", "CONV_NOTE"]
+__all__ = ["Workspaces", "WithWorkspaces", "workspace_size", "workspaces_for", "cudnn_notes", "runs_cudnn", "RNN_NOTE", "CONV_NOTE"]
 
 DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8  # ":4096:2:16:8"
 HOPPER = 4096 * 8 * 1024  # 32 MiB on compute capability 9.0
@@ -112,7 +112,17 @@ class WithWorkspaces:
         return WithWorkspaces(self.tensors.relaid(), self.whole.relaid())
 
 
-def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train") -> list[str]:
+def runs_cudnn(device_label: str | None) -> bool:
+    """Whether the GPU ``device_label`` names runs cuDNN (an NVIDIA preset, or none named: a CUDA GPU, as NVIDIA's).
+
+    >>> runs_cudnn("H100-80GB"), runs_cudnn(None), runs_cudnn("RX-9070-XT"), runs_cudnn("Mac-16GB")
+    (True, True, False, False)
+    """
+    known = PRESETS.get(device_label or "")
+    return known is None or (known.backend == "cuda" and known.vendor == "NVIDIA")
+
+
+def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train", rnn_modelled: bool = False) -> list[str]:
     """What cuDNN's kernels hold beyond an estimate of ``model`` for the GPU ``device_label`` names (none: not NVIDIA).
 
     An estimate runs PyTorch's own kernels on fake tensors; on an NVIDIA GPU
@@ -132,5 +142,6 @@ def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train")
     known = PRESETS.get(device_label or "")
     if known is not None and known.backend != "cuda":
         return []
-    return notes_for((kind for module in model.modules() if (kind := cudnn_kind(module)) is not None), task == "train",
+    kinds = (kind for module in model.modules() if (kind := cudnn_kind(module)) is not None)
+    return notes_for((kind for kind in kinds if not (rnn_modelled and kind == "rnn")), task == "train",
                      known.vendor if known is not None else "NVIDIA")

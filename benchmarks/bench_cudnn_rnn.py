@@ -1,0 +1,109 @@
+"""cuDNN's LSTM/GRU memory: nbmem's estimate beside a CUDA GPU's measured training step, on sizes the fit never saw.
+
+nbmem/estimation/cudnn_rnn.py models cuDNN's RNN kernel (reserve buffer, workspace) from an H100's sizes of
+2026-11-27 (input size equal to hidden, hidden 128-1024, 1-2 layers). This checks it out of that sample: other input
+sizes, 3 layers, hidden 64/384/2048, fp16, longer sequences, AdamW and SGD. On a CUDA machine each configuration is
+measured (``estimate(mode="measured")``: the allocator's peak) and estimated (fake tensors, ``device="H100-80GB"``);
+without CUDA only the estimates run (to check the script).
+
+    python benchmarks/bench_cudnn_rnn.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nbmem.estimation.estimate import estimate  # noqa: E402
+
+#: kind, input size, hidden, layers, batch, steps, precision, optimizer
+GRID = [
+    ("LSTM", 64, 256, 2, 8, 32, "fp32", "adamw"),  # the campaign's zoo LSTM
+    ("LSTM", 64, 384, 3, 32, 64, "fp32", "adamw"),
+    ("LSTM", 64, 384, 3, 32, 64, "bf16", "adamw"),
+    ("LSTM", 300, 512, 1, 16, 200, "fp32", "sgd"),
+    ("LSTM", 300, 512, 1, 16, 200, "bf16", "sgd"),
+    ("LSTM", 32, 64, 2, 128, 50, "fp32", "adamw"),
+    ("LSTM", 128, 256, 2, 32, 64, "fp16", "adamw"),
+    ("LSTM", 256, 2048, 1, 8, 32, "fp32", "sgd"),
+    ("GRU", 128, 512, 1, 32, 64, "fp32", "adamw"),
+    ("GRU", 128, 512, 1, 32, 64, "bf16", "adamw"),
+    ("GRU", 64, 256, 3, 16, 100, "fp32", "sgd"),
+    ("GRU", 64, 768, 2, 24, 48, "bf16", "sgd"),
+]
+
+
+class Sequence(nn.Module):
+    def __init__(self, kind: str, inputs: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.rnn = getattr(nn, kind)(inputs, hidden, num_layers=layers, batch_first=True)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def row(kind: str, inputs: int, hidden: int, layers: int, batch: int, steps: int, precision: str, optimizer: str,
+        measure: bool) -> dict[str, Any]:
+    def build() -> nn.Module:
+        return Sequence(kind, inputs, hidden, layers)
+
+    def make(n: int) -> Any:
+        return torch.randn(n, steps, inputs), torch.randint(0, 10, (n,))
+
+    knobs = dict(batch_size=batch, precision=precision, optimizer=optimizer)
+    out: dict[str, Any] = {"kind": kind, "inputs": inputs, "hidden": hidden, "layers": layers, "batch": batch,
+                           "steps": steps, "precision": precision, "optimizer": optimizer}
+    started = time.perf_counter()
+    estimated = estimate(build, make, device="H100-80GB", **knobs)
+    out.update(estimate=estimated.peak, estimate_reserved=estimated.reserved,
+               modelled=any(note.startswith("cuDNN: ") and "modelled as" in note for note in estimated.notes),
+               seconds=round(time.perf_counter() - started, 2))
+    if measure:
+        estimate(build, make, mode="measured", **knobs)  # warm: cuDNN's plans, cuBLAS's workspace
+        measured = estimate(build, make, mode="measured", **knobs)
+        out.update(measured=measured.peak, measured_reserved=measured.reserved,
+                   error=round(estimated.peak / measured.peak - 1, 4),
+                   reserved_error=round(estimated.reserved / measured.reserved - 1, 4) if measured.reserved else None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    measure = torch.cuda.is_available()
+    result: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if measure else None,
+        "device": torch.cuda.get_device_name() if measure else "none (estimates only)", "rows": []}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for point in GRID:
+        try:
+            found = row(*point, measure=measure)
+        except Exception as error:  # noqa: BLE001 - one configuration's failure is recorded, the rest run
+            found = {"config": list(point), "error": f"{type(error).__name__}: {error}"[:300]}
+        result["rows"].append(found)
+        print(json.dumps(found), flush=True)
+        (out / "cudnn_rnn.json").write_text(json.dumps(result, indent=1))
+    errors = [abs(r["error"]) for r in result["rows"] if isinstance(r.get("error"), float)]
+    if errors:
+        print(f"allocated: median {sorted(errors)[len(errors) // 2]:.2%}, worst {max(errors):.2%} of {len(errors)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
