@@ -137,8 +137,9 @@ def grouped_mm_notes(mode: Any, steps: int = 1) -> list[str]:
         return []
     return [f"mixture of experts: {calls} grouped matrix product{'s' if calls != 1 else ''} per step "
             "(torch._grouped_mm, recomputed ones too) with the outputs PyTorch's kernels make; in bf16 on a Hopper "
-            "or Blackwell GPU its CUTLASS kernel also takes a small argument buffer and a workspace during each call "
-            "(not modelled; untested on CUDA)"]
+            "or Blackwell GPU its CUTLASS kernel also takes an argument buffer and a workspace during each call, "
+            "not modelled: on an H100 (torch 2.11) 60 B per expert and 66 KiB, freed as the call returns; in fp32 "
+            "none"]
 
 
 #: op -> function(mode, op, types, args, kwargs) that makes its outputs as its kernels do
