@@ -1,9 +1,11 @@
 """Fit cuDNN's RNN workspace sizes measured on an H100 into nbmem/estimation/cudnn_rnn_fit.py (a generated table).
 
 Reads ``results/2026-11-27-gpu/rnn_sizes.json`` (``gpu_probe_rnn_sizes.py``: 1,751 LSTM/GRU training steps, torch
-2.11, cuDNN 9.19; its "fp16" steps ran in fp32, autocast being on for bf16 only, and are read as fp32). For each (kind, precision, hidden size) a linear model in the layers, batch, steps and input size,
-fitted for relative error; prints the errors of a 70/30 split (fitted on 70 %, checked on the other 30 %) and of the
-whole, then writes the table fitted on all.
+2.11, cuDNN 9.19) and misses-first.json's 72 traced ones, each read in the precision cuDNN computed in (their
+"bf16" ran under bf16 autocast, which runs cuDNN's RNN in fp16; the sweep's "fp16" ran without autocast, in fp32).
+For each (kind, precision, hidden size) a linear model in the layers, batch, steps and input size, fitted for
+relative error; an LSTM on cuDNN's persistent kernel a model of its own. Prints the errors of a 70/30 split (fitted
+on 70 %, checked on the other 30 %) and of the whole, then writes the table fitted on all.
 
     python benchmarks/fit_cudnn_rnn.py [--write]
 """
@@ -15,6 +17,7 @@ import random
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,52 +33,80 @@ def usable(row: dict) -> bool:
     return row["workspace"] > 8 * row["layers"] * row["batch"] * row["hidden"] * 4 and row["hidden"] != 192
 
 
-def fit(rows: list[dict]) -> list[float]:
-    from nbmem.estimation.cudnn_rnn import features
+def measured() -> list[dict]:
+    """rnn_sizes.json's steps and misses-first.json's traced ones, each with the precision cuDNN computed in: the
+    probes' "bf16" ran under bf16 autocast, which runs cuDNN's RNN in fp16 (AutocastRNN.cpp casts to fp16 whatever
+    autocast's dtype: rnn_autocast.log); rnn_sizes.json's "fp16" ran without autocast, in fp32."""
+    from collections import Counter
 
+    rows = json.loads(SOURCE.read_text())["rows"]
+    for row in json.loads((SOURCE.parent / "misses-first.json").read_text())["items"]["rnn"]["value"]["rows"]:
+        output, twice = row["ops"][0][1][0], Counter(size for size, _ in row["backward"])
+        found = max(size for size, freed in row["forward"]
+                    if freed and twice[size] >= 2 and size not in (output, 2 * output))
+        rows.append({**{key: row[key] for key in ("kind", "hidden", "layers", "batch", "steps", "precision")},
+                     "inputs": row["hidden"], "workspace": found, "traced": True})
+    return [{**row, "kind": row["kind"].lower(),
+             "precision": {"bf16": "fp16", "fp16": "fp32"}.get(row["precision"], row["precision"])
+             if not row.get("traced") else {"bf16": "fp16"}.get(row["precision"], row["precision"])} for row in rows]
+
+
+def fit(rows: list[dict], features: Any) -> list[float]:
     x = np.array([features(r["layers"], r["steps"], r["batch"], r["hidden"], r["inputs"]) for r in rows], float)
     y = np.array([r["workspace"] for r in rows], float)
     coef, *_ = np.linalg.lstsq(x / y[:, None], np.ones(len(y)), rcond=None)
     return [round(float(c), 3) for c in coef]
 
 
-def errors(rows: list[dict], coef: list[float]) -> list[float]:
-    from nbmem.estimation.cudnn_rnn import features
-
+def errors(rows: list[dict], coef: list[float], features: Any) -> list[float]:
     return [float(np.dot(features(r["layers"], r["steps"], r["batch"], r["hidden"], r["inputs"]), coef))
             / r["workspace"] - 1 for r in rows]
+
+
+def report(name: str, values: list[float]) -> None:
+    q = np.percentile(values, [0, 5, 50, 95, 100])
+    print(f"{name}: {len(values)} steps; min {q[0]:+.1%}, 5 % {q[1]:+.1%}, median {q[2]:+.1%}, "
+          f"95 % {q[3]:+.1%}, max {q[4]:+.1%}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
+    from nbmem.estimation.cudnn_rnn import features, persistent, persistent_features
+
     data = json.loads(SOURCE.read_text())
     groups: dict[tuple[str, str, int], list[dict]] = defaultdict(list)
-    for row in filter(usable, data["rows"]):
-        # the probe's "fp16" steps ran without autocast (it enabled autocast for bf16 only): fp32 steps
-        precision = "fp32" if row["precision"] == "fp16" else row["precision"]
-        groups[row["kind"].lower(), precision, row["hidden"]].append(row)
+    persists: list[dict] = []
+    for row in filter(usable, measured()):
+        if persistent(row["kind"], row["layers"], row["hidden"], row["inputs"], row["batch"], row["steps"],
+                      row["precision"], 1, None):
+            persists.append(row)  # cuDNN's persistent kernel: a fit of its own
+        else:
+            groups[row["kind"], row["precision"], row["hidden"]].append(row)
     held, whole, table = [], [], {}
     rng = random.Random(1)
     for key, rows in sorted(groups.items()):
         shuffled = rows[:]
         rng.shuffle(shuffled)
         cut = int(len(shuffled) * 0.7)
-        held += errors(shuffled[cut:], fit(shuffled[:cut]))
-        table[key] = fit(rows)
-        whole += errors(rows, table[key])
-    for name, values in (("held out (fitted on 70 %)", held), ("all, fitted on all", whole)):
-        q = np.percentile(values, [0, 5, 50, 95, 100])
-        print(f"{name}: {len(values)} steps; min {q[0]:+.1%}, 5 % {q[1]:+.1%}, median {q[2]:+.1%}, "
-              f"95 % {q[3]:+.1%}, max {q[4]:+.1%}")
+        held += errors(shuffled[cut:], fit(shuffled[:cut], features), features)
+        table[key] = fit(rows, features)
+        whole += errors(rows, table[key], features)
+    report("held out (fitted on 70 %)", held)
+    report("all, fitted on all", whole)
+    persist = fit(persists, persistent_features)
+    report("LSTM's persistent kernel (fp16, one layer), fitted on all", errors(persists, persist, persistent_features))
     if args.write:
-        lines = [f'"""cuDNN RNN workspace model fitted by benchmarks/fit_cudnn_rnn.py to an H100\'s sizes ({data["device"]},',
+        device = data["device"]
+        lines = [f'"""cuDNN RNN workspace model fitted by benchmarks/fit_cudnn_rnn.py to an H100\'s sizes ({device},',
                  f'torch {data["torch"]}, cuDNN {data["cudnn"]}, {data["date"]}). Generated: do not edit."""', "",
                  "#: (kind, precision, hidden) -> coefficients of nbmem.estimation.cudnn_rnn.features",
                  "WORKSPACE: dict[tuple[str, str, int], tuple[float, ...]] = {"]
         lines += [f"    {key!r}: {tuple(coef)!r}," for key, coef in table.items()]
-        lines.append("}")
+        lines += ["}", "", "#: an LSTM's persistent kernel (fp16, one layer): coefficients of "
+                  "nbmem.estimation.cudnn_rnn.persistent_features",
+                  f"PERSISTENT: tuple[float, ...] = {tuple(persist)!r}"]
         TARGET.write_text("\n".join(lines) + "\n")
         print("wrote", TARGET.relative_to(ROOT))
     return 0

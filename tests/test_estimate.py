@@ -510,7 +510,7 @@ def test_recurrent_and_convolution_layers_say_what_cudnn_holds_beyond_the_estima
     loss = lambda output, batch: output  # noqa: E731
     on_t4 = estimate(Both, make, batch_size=2, loss=loss, device="T4")
     # a training step's GRU follows cuDNN's kernel (tests/test_cudnn_rnn.py): its note says so, in RNN_NOTE's place
-    modelled = [note for note in on_t4.notes if note.startswith("cuDNN: 1 LSTM/GRU call per step modelled")]
+    modelled = [note for note in on_t4.notes if note.startswith("cuDNN: 1 LSTM/GRU call per step (recomputed")]
     assert len(modelled) == 1 and RNN_NOTE not in on_t4.notes
     assert CONV_NOTE in on_t4.notes and f"note: {CONV_NOTE}" in str(on_t4)
     assert modelled == [note for note in estimate(Both, make, batch_size=2, loss=loss).notes  # no device: CUDA's

@@ -110,7 +110,7 @@ def test_where_cudnn_runs_the_estimate_says_so_with_the_measured_gap(replayed: l
     # an LSTM's estimate follows cuDNN's RNN kernel (nbmem/estimation/cudnn_rnn.py, 2026-11-27): within 2.5 % of
     # the H100's peaks, where PyTorch's kernels (the campaign's estimates) were 51-60 % below
     assert all(RNN_NOTE not in row["notes"] and CONV_NOTE not in row["notes"] for row in lstm)
-    assert all(any(note.startswith("cuDNN: 1 LSTM/GRU call per step modelled") for note in row["notes"])
+    assert all(any(note.startswith("cuDNN: 1 LSTM/GRU call per step (recomputed") for note in row["notes"])
                for row in lstm)
     errors = [_error(row["today"], row["measured"]) for row in lstm]
     assert -0.005 <= min(errors) and max(errors) <= 0.025, errors

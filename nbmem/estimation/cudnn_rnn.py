@@ -6,37 +6,55 @@ keeps a *reserve* buffer for backward and takes a *workspace* while it runs,
 forward and backward; PyTorch's CPU kernels, which an estimate otherwise runs
 on fake tensors, loop over the time steps and save other tensors. An H100
 (torch 2.11, cuDNN 9.19, 2026-11-27, ``benchmarks/results/2026-11-27-gpu/
-misses-first.json`` and ``rnn_sizes.json``: 72 and 1,751 LSTM and GRU training
-steps, hidden 32 to 2048, 1 to 3 layers, batch 1 to 64, 8 to 512 steps, input
-sizes 64, 300 and the hidden size, fp32 and bf16 autocast; fp16 autocast not
-measured, bf16's sizes stand in for it) showed:
+misses-first.json``, ``rnn_sizes.json`` and ``rnn_variants.json``: 72, 1,751
+and 448 LSTM and GRU training steps, hidden 32 to 2048, 1 to 3 layers, batch
+1 to 64, 8 to 512 steps, input sizes 64, 300 and the hidden size, fp32 and
+autocast, one and both directions, dropout between layers) showed:
+
+- under autocast cuDNN's RNN runs in fp16, whatever autocast's dtype
+  (``_cudnn_rnn_cast_reflatten`` in aten/src/ATen/cudnn/AutocastRNN.cpp; the
+  H100 returned an fp16 output under bf16 autocast: ``rnn_autocast.log``):
+  the weights are cast into one flat fp16 buffer (with room for biases, kept
+  for backward), the input and states cast beside it, and backward's flat
+  gradient is cast back to each fp32 weight's. bf16 weights without autocast
+  (cuDNN 9.13 and later) run in bf16: not measured, fp16's sizes stand in;
 
 - the reserve is ``(g * layers + layers - 1) * steps * batch * hidden``
-  elements of the compute dtype, plus 256 bytes, with ``g`` 5 for an LSTM and
-  6 for a GRU: exact in all 1,823 steps;
+  elements of the compute dtype for each direction, plus 256 bytes, with
+  ``g`` 5 for an LSTM and 6 for a GRU, and with dropout between layers a bit
+  mask of each inner layer's output (four bits an element both ways): exact
+  in all 2,207 steps;
+- the first call with dropout makes cuDNN's dropout state, kept for the
+  process: 6,488,064 B on the H100, 24 bytes a resident thread
+  (:func:`dropout_state_bytes` scales it to other GPUs: not measured);
 - the workspace is the same size forward and backward (allocated three times:
   forward, backward-data, backward-weights; one at a time). It is cuDNN's own
   choice, with no rule to read: :func:`workspace` interpolates a model fitted
   to the H100's sizes for each hidden size (``benchmarks/fit_cudnn_rnn.py``):
-  on 1,598 steps, half of them within 0.1 %, 90 % within -8.4 .. +6.9 %,
-  worst -65 .. +20 %; fitted on 70 % of them, the other 30 %: 90 % within
-  -12.7 .. +9.1 %. Other GPUs and cuDNN versions may take other sizes;
+  on 1,643 steps, half of them within 0.1 %, 90 % within -7.9 .. +6.4 %,
+  worst -35 .. +20 %; fitted on 70 % of them, the other 30 %: 90 % within
+  -10.9 .. +8.0 %. An LSTM on cuDNN's persistent kernel (fp16, one layer:
+  :func:`persistent`) has its own fit (27 steps, -9 .. +8 %). Both directions
+  take twice one direction's (median -0.2 %, -30 .. +28 % in 128 steps). At
+  hidden sizes 129 to 192 cuDNN's forward runs another kernel than its
+  backward (``use_rnn_persist_small_h``) and the probe could not read the
+  workspace: interpolated there, and noted. Other GPUs and cuDNN versions may
+  take other sizes;
 - forward copies a batch-first input to the kernel's (steps, batch) layout
   while it runs; backward copies the incoming gradient and the input again,
-  makes the input's and the initial states' gradients (always: cuDNN's
-  backward-weights needs backward-data first) and the weights' gradients as one
-  flat buffer;
-- under autocast, the weights are cast into one flat buffer of the autocast
-  dtype (kept for backward), the input and states cast beside it; backward's
-  flat gradient is cast back to each fp32 weight's.
+  makes the zeros of gradients autograd left undefined, the input's and the
+  initial states' gradients (always: cuDNN's backward-weights needs
+  backward-data first) and the weights' gradients as one flat buffer with
+  room for biases (without biases, each weight's gradient is copied out).
 
 :class:`CudnnRNN` makes an estimate allocate exactly that, on fake tensors
 only: while active, ``lstm`` and ``gru`` on fake CPU tensors in a training
 module run :class:`_CudnnRNNFunction` (no values: an estimate has none). What
 cuDNN runs that was not measured keeps PyTorch's CPU kernels and the note that
-says cuDNN's memory is missing: bidirectional layers, LSTM projections,
-dropout between layers (cuDNN's dropout state), evaluation mode, packed
-sequences, fp64. Tracked runs (real tensors) keep the CPU's kernels too.
+says cuDNN's memory is missing: LSTM projections (measured, not yet fitted),
+``nn.RNN``, evaluation mode, packed sequences, fp64. Tracked runs (real
+tensors) keep the CPU's kernels too. Not modelled either: ``retain_graph=True``
+(backward then copies the reserve).
 
 >>> from torch._subclasses.fake_tensor import FakeTensorMode
 >>> with FakeTensorMode(), CudnnRNN() as rnn:
@@ -48,31 +66,58 @@ sequences, fp64. Tracked runs (real tensors) keep the CPU's kernels too.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .cudnn_rnn_fit import WORKSPACE
+from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT
+from ..core.units import format_bytes
+from .cudnn_rnn_fit import PERSISTENT, WORKSPACE
 from .kernels import ScopedKernels
 
-__all__ = ["CudnnRNN", "reserve_bytes", "workspace"]
+__all__ = ["CudnnRNN", "reserve_bytes", "dropout_state_bytes", "workspace", "persistent"]
 
 _LSTM = torch.ops.aten.lstm.input
 _GRU = torch.ops.aten.gru.input
+_LSTM_PACKED = torch.ops.aten.lstm.data
+_GRU_PACKED = torch.ops.aten.gru.data
 _GATES = {"lstm": 4, "gru": 3}
 #: what the reserve keeps per layer, in (steps x batch x hidden) elements: the gates and the cell (an LSTM's 4 + 1)
 _RESERVED = {"lstm": 5, "gru": 6}
 _COMPUTED = (torch.float32, torch.bfloat16, torch.float16)
+#: resident threads per SM where it is not 2,048 (CUDA's occupancy tables: Turing 1,024; Ampere's GA10x, Ada and
+#: consumer Blackwell 1,536)
+_THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 0): 1536}
 
 
-def reserve_bytes(kind: str, layers: int, steps: int, batch: int, hidden: int, itemsize: int) -> int:
-    """cuDNN's reserve for a unidirectional ``kind`` ("lstm", "gru") in training (see the module's docstring).
+def reserve_bytes(kind: str, layers: int, steps: int, batch: int, hidden: int, itemsize: int, directions: int = 1,
+                  dropout: bool = False) -> int:
+    """cuDNN's reserve for ``kind`` ("lstm", "gru") in training (see the module's docstring): each direction's
+    gates and layer outputs, and with dropout between layers a bit mask of each inner layer's output (four bits a
+    bidirectional one).
 
     >>> reserve_bytes("lstm", 2, 128, 64, 1024, 4), reserve_bytes("gru", 2, 32, 8, 256, 2)
     (369099008, 1704192)
+    >>> reserve_bytes("lstm", 3, 32, 8, 512, 4, directions=2, dropout=True)  # as the H100's
+    17957120
     """
-    return (_RESERVED[kind] * layers + layers - 1) * steps * batch * hidden * itemsize + 256
+    elements = (_RESERVED[kind] * layers + layers - 1) * steps * batch * hidden
+    mask = (layers - 1) * steps * batch * hidden * (4 if directions == 2 else 1) // 8 if dropout else 0
+    return directions * elements * itemsize + mask + 256
+
+
+def dropout_state_bytes(device_label: str | None) -> int:
+    """cuDNN's dropout state on the GPU ``device_label`` names (the H100's where none is): 24 bytes a thread the
+    GPU can keep resident, as an H100 took it (132 SMs x 2,048 threads: 6,488,064 B; other GPUs not measured).
+
+    >>> dropout_state_bytes("H100-80GB"), dropout_state_bytes("T4"), dropout_state_bytes(None)
+    (6488064, 983040, 6488064)
+    """
+    label = device_label if device_label is not None and device_label in SM_COUNT else "H100-80GB"
+    threads = _THREADS_PER_SM.get(COMPUTE_CAPABILITY[label], 2048)
+    return SM_COUNT[label] * threads * 24
 
 
 def features(layers: int, steps: int, batch: int, hidden: int, inputs: float) -> tuple[float, ...]:
@@ -81,18 +126,51 @@ def features(layers: int, steps: int, batch: int, hidden: int, inputs: float) ->
     return (1.0, layers, layers * batch, batch * steps, batch * steps * inputs / hidden, layers * batch * steps)
 
 
+def persistent_features(layers: int, steps: int, batch: int, hidden: int, inputs: float) -> tuple[float, ...]:
+    """What the persistent kernel's workspace model is linear in (one layer): a part per call, per hidden unit, per
+    element of the sequence and per batch row's state."""
+    return (1.0, hidden, batch * steps * hidden, batch * hidden)
+
+
+def persistent(kind: str, layers: int, hidden: int, inputs: int, batch: int, steps: int, precision: str,
+               directions: int, device_label: str | None) -> bool:
+    """Whether PyTorch runs cuDNN's persistent RNN kernel here (``get_algo`` in aten/src/ATen/native/cudnn/RNN.cpp:
+    fp16, one unidirectional layer, hidden at most 1024 and a multiple of 128, input size a multiple of 128, and
+    the GPU's rule: on Ampere and later with 98 SMs or more, but not sm_86, LSTMs only, batch a multiple of 8 up to
+    128; on Volta a rule of batch and steps; never on Turing), on the GPU ``device_label`` names (an H100 if none).
+
+    >>> persistent("lstm", 1, 1024, 1024, 64, 200, "fp16", 1, "H100-80GB"), persistent("gru", 1, 1024, 1024, 64, 200,
+    ...     "fp16", 1, None), persistent("lstm", 1, 1024, 1024, 64, 200, "fp16", 1, "RTX-3090")
+    (True, False, False)
+    """
+    if precision != "fp16" or layers != 1 or directions != 1 or hidden > 1024 or hidden % 128 or inputs % 128:
+        return False
+    label = device_label if device_label is not None and device_label in SM_COUNT else "H100-80GB"
+    major, minor = COMPUTE_CAPABILITY[label]
+    if major == 7:
+        return minor != 5 and ((batch % 16 == 0 and batch not in (80, 112)) or batch == 8) and (
+            (steps >= 40 and batch <= 128) or (steps >= 20 and batch <= 96) or (steps >= 10 and batch <= 32))
+    return major >= 8 and SM_COUNT[label] >= 98 and minor != 6 and kind == "lstm" and batch % 8 == 0 and batch <= 128
+
+
 def workspace(kind: str, layers: int, steps: int, batch: int, hidden: int, itemsize: int, inputs: int | None = None,
-              precision: str | None = None) -> int:
+              precision: str | None = None, device_label: str | None = None) -> int:
     """cuDNN's RNN workspace in bytes, as an H100 (cuDNN 9.19) took it (:mod:`nbmem.estimation.cudnn_rnn_fit`).
 
-    The model is fitted for each hidden size measured (32 to 2048); between two of them it interpolates, below
-    the smallest it takes the smallest's, above the largest it scales the largest's with ``hidden``.
+    ``precision`` is the one cuDNN computes in, "fp32" or "fp16" (autocast's, whatever its dtype; bf16 weights
+    without autocast, not measured, take fp16's). The model is fitted for each hidden size measured (32 to 2048);
+    between two of them it interpolates, below the smallest it takes the smallest's, above the largest it scales
+    the largest's with ``hidden``. An LSTM on cuDNN's persistent kernel (:func:`persistent`) has a fit of its own.
 
     >>> workspace("lstm", 2, 32, 8, 256, 4)  # the H100 took 22,724,928 B
-    22559232
+    22576128
     """
-    precision = precision or ("fp32" if itemsize >= 4 else "bf16")
+    precision = precision or ("fp32" if itemsize >= 4 else "fp16")
+    precision = "fp16" if precision == "bf16" else precision
     inputs = inputs if inputs is not None else hidden
+    if kind == "lstm" and persistent(kind, layers, hidden, inputs, batch, steps, precision, 1, device_label):
+        values = persistent_features(layers, steps, batch, hidden, inputs)
+        return int(max(sum(c * v for c, v in zip(PERSISTENT, values)), 0.0)) // 512 * 512
     sizes = sorted(size for (name, kind_precision, size) in WORKSPACE if name == kind and kind_precision == precision)
 
     def at(size: int, scale: float = 1.0) -> float:
@@ -115,83 +193,123 @@ def workspace(kind: str, layers: int, steps: int, batch: int, hidden: int, items
     return int(found) // 512 * 512
 
 
-_PRECISIONS = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+#: the precision cuDNN computes in, by dtype: bf16's (cuDNN 9.13 and later, bf16 weights without autocast) was not
+#: measured, fp16's stands in for it
+_PRECISIONS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "fp16"}
 
 
-def _workspace(kind: str, layers: int, x: torch.Tensor, hidden: int) -> int:
-    steps, batch, inputs = x.shape
-    return workspace(kind, layers, steps, batch, hidden, x.dtype.itemsize, inputs, _PRECISIONS[x.dtype])
+class _Call:
+    """What one call is, for _CudnnRNNFunction (its shapes come from the tensors)."""
 
+    #: cast: the weights go into one flat buffer at this call, in the input's dtype (autocast's fp16 cast, or bf16
+    #: weights cuDNN copies), kept for backward; backward casts (or copies) the flat gradient back to each weight's
+    def __init__(self, kind: str, layers: int, directions: int, dropout: bool, cast: bool, bias_space: int,
+                 batch_first: bool, device_label: str | None) -> None:
+        self.kind, self.layers, self.directions, self.dropout = kind, layers, directions, dropout
+        self.cast, self.bias_space, self.batch_first, self.device_label = cast, bias_space, batch_first, device_label
 
-#: fp16 was not measured (the probe's "fp16" steps ran in fp32): bf16's sizes stand in for it
-_PRECISIONS[torch.float16] = "bf16"
+    def workspace(self, x: torch.Tensor, hidden: int) -> int:
+        """Both directions take twice one direction's workspace (128 H100 steps: median -0.2 %, -30 .. +28 %)."""
+        steps, batch, inputs = x.shape
+        return self.directions * workspace(self.kind, self.layers, steps, batch, hidden, x.dtype.itemsize, inputs,
+                                           _PRECISIONS[x.dtype], self.device_label)
 
 
 class _CudnnRNNFunction(torch.autograd.Function):
     """cuDNN's RNN kernel's memory, forward and backward, on fake tensors (the module's docstring lists it)."""
 
     @staticmethod
-    def forward(ctx: Any, kind: str, layers: int, cast: Any, x: torch.Tensor, hx: torch.Tensor,
-                cx: torch.Tensor | None, *weights: torch.Tensor) -> Any:
+    def forward(ctx: Any, call: _Call, x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor | None,
+                *weights: torch.Tensor) -> Any:
         steps, batch, _ = x.shape
         hidden = hx.size(-1)
         dtype = x.dtype
         flat = None
-        if cast is not None:  # autocast: the weights cast into one flat buffer, kept for backward
-            flat = x.new_empty(sum(w.numel() for w in weights), dtype=dtype)
+        if call.cast:  # autocast: the weights cast into one fp16 buffer with cuDNN's room for biases, kept
+            flat = x.new_empty(sum(w.numel() for w in weights) + call.bias_space, dtype=dtype)
         copied = x.contiguous()  # the kernel's (steps, batch) layout: a copy of a batch-first input while it runs
-        output = x.new_empty(steps, batch, hidden)
+        output = x.new_empty(steps, batch, call.directions * hidden)
         hy = hx.new_empty(hx.shape)
         cy = cx.new_empty(cx.shape) if cx is not None else None
-        scratch = x.new_empty(_workspace(kind, layers, x, hidden), dtype=torch.uint8)
-        reserve = x.new_empty(reserve_bytes(kind, layers, steps, batch, hidden, dtype.itemsize), dtype=torch.uint8)
+        scratch = x.new_empty(call.workspace(x, hidden), dtype=torch.uint8)
+        reserve = x.new_empty(reserve_bytes(call.kind, call.layers, steps, batch, hidden, dtype.itemsize,
+                                            call.directions, call.dropout), dtype=torch.uint8)
         del scratch, copied
-        ctx.kind, ctx.layers, ctx.cast = kind, layers, cast
+        ctx.call = call
         ctx.shapes = [(w.shape, w.dtype) for w in weights]
-        ctx.save_for_backward(x, hx, cx, output, reserve, flat, *(() if cast is not None else weights))
+        ctx.set_materialize_grads(False)  # cuDNN's backward makes the zeros itself, in its own layout
+        ctx.save_for_backward(x, hx, cx, output, reserve, flat, *(() if call.cast else weights))
         return (output, hy, cy) if cy is not None else (output, hy)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor, grad_hy: torch.Tensor, *grad_cy: torch.Tensor) -> Any:
-        x, hx, cx, *_ = ctx.saved_tensors  # the output, reserve and cast weights stay saved until it returns
-        scratch_size = _workspace(ctx.kind, ctx.layers, x, hx.size(-1))
+    def backward(ctx: Any, grad_output: torch.Tensor | None, grad_hy: torch.Tensor | None,
+                 *grad_cy: torch.Tensor | None) -> Any:
+        call: _Call = ctx.call
+        x, hx, cx, output, *_ = ctx.saved_tensors  # the reserve and cast weights stay saved until it returns
+        scratch_size = call.workspace(x, hx.size(-1))
+        transient = []
+        if grad_output is None:  # zeros_like the batch-first output, then the kernel's layout's copy of them
+            zeros = output.new_zeros(output.transpose(0, 1).shape if call.batch_first else output.shape)
+            grad_output = zeros.transpose(0, 1) if call.batch_first else zeros
+            transient.append(zeros)
+        held = [hx.new_zeros(hx.shape) if grad_hy is None else grad_hy]
+        if cx is not None and (not grad_cy or grad_cy[0] is None):
+            held.append(cx.new_zeros(cx.shape))
         # backward-data: runs whatever needs a gradient (backward-weights needs it first)
-        transient = [grad_output.contiguous()]  # the incoming gradient in the kernel's layout, while it runs
+        transient.append(grad_output.contiguous())  # the incoming gradient in the kernel's layout, while it runs
         grad_x = x.new_empty(x.shape)
         transient.append(x.contiguous())
         grad_hx = hx.new_empty(hx.shape)
         grad_cx = cx.new_empty(cx.shape) if cx is not None else None
         transient.append(x.new_empty(scratch_size, dtype=torch.uint8))
-        del transient
+        del transient, held
         grads: list[torch.Tensor | None] = [None] * len(ctx.shapes)
-        if any(ctx.needs_input_grad[6:]):
+        if any(ctx.needs_input_grad[_WEIGHTS:]):
             transient = [x.contiguous()]  # backward-weights: the input in the kernel's layout, and its workspace
-            flat_grad = x.new_empty(sum(shape.numel() for shape, _ in ctx.shapes))
+            flat_grad = x.new_zeros(sum(shape.numel() for shape, _ in ctx.shapes) + call.bias_space)
             transient.append(x.new_empty(scratch_size, dtype=torch.uint8))
             del transient
             offset = 0
             for index, (shape, dtype) in enumerate(ctx.shapes):
                 part = flat_grad[offset:offset + shape.numel()].view(shape)
                 offset += shape.numel()
-                if ctx.needs_input_grad[6 + index]:
-                    grads[index] = part.to(dtype) if ctx.cast is not None else part
+                if ctx.needs_input_grad[_WEIGHTS + index]:
+                    # views of the flat gradient; copies where it is cast back, or has room for biases it lacks
+                    grads[index] = part.to(dtype) if call.cast else part.clone() if call.bias_space else part
             del flat_grad, part
-        return (None, None, None, grad_x, grad_hx, grad_cx, *grads)
+        return (None, grad_x, grad_hx, grad_cx, *grads)
+
+
+#: where the weights start among _CudnnRNNFunction.forward's arguments (call, x, hx, cx)
+_WEIGHTS = 4
 
 
 class CudnnRNN(ScopedKernels):
     """While active, LSTMs and GRUs on fake tensors in training allocate what cuDNN's kernel allocates on an NVIDIA
     GPU (see the module's docstring); ``calls`` counts them, ``unmodelled`` the ones left to PyTorch's kernels."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_label: str | None = None) -> None:
         super().__init__()
+        self.device_label = device_label
         self.calls = 0
+        #: cuDNN's dropout state, made by the first call with dropout and kept (PyTorch caches it per device), and
+        #: its bytes (kept for the notes when the state is gone)
+        self.dropout_state: torch.Tensor | None = None
+        self.dropout_state_size = 0
+        #: whether a call had a hidden size where cuDNN's forward and backward kernels differ (129-192)
+        self.small_hidden = False
         #: calls on fake tensors that cuDNN would run and this does not model, with why (each reason once)
         self.unmodelled: dict[str, None] = {}
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.dropout_state = None  # the estimate's process is over: so is its dropout state
+        super().__exit__(*exc_info)
 
     def register(self, library: torch.library.Library) -> None:
         library.impl("lstm.input", self._lstm, "AutogradCPU")
         library.impl("gru.input", self._gru, "AutogradCPU")
+        library.impl("lstm.data", functools.partial(self._packed, _LSTM_PACKED), "AutogradCPU")
+        library.impl("gru.data", functools.partial(self._packed, _GRU_PACKED), "AutogradCPU")
 
     def _lstm(self, input: torch.Tensor, hx: list[torch.Tensor], params: list[torch.Tensor], *rest: Any) -> Any:
         return self._run("lstm", _LSTM, input, list(hx), params, *rest)
@@ -199,9 +317,15 @@ class CudnnRNN(ScopedKernels):
     def _gru(self, input: torch.Tensor, hx: torch.Tensor, params: list[torch.Tensor], *rest: Any) -> Any:
         return self._run("gru", _GRU, input, [hx], params, *rest)
 
+    def _packed(self, op: Any, data: torch.Tensor, *args: Any) -> Any:
+        """A packed sequence's call: PyTorch's kernel, and a note (cuDNN's kernel for them is not modelled)."""
+        if isinstance(data, FakeTensor):
+            self.unmodelled["packed sequences"] = None
+        return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, data, *args)
+
     def _run(self, kind: str, op: Any, input: torch.Tensor, states: list[torch.Tensor], params: list[torch.Tensor],
              has_biases: bool, layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> Any:
-        why = self._unmodelled(kind, input, states, params, has_biases, layers, dropout, train, bidirectional)
+        why = self._unmodelled(kind, input, states, params, has_biases, layers, train, bidirectional)
         if why is not None:
             if isinstance(input, FakeTensor) and why:
                 self.unmodelled[why] = None
@@ -209,31 +333,46 @@ class CudnnRNN(ScopedKernels):
             return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, input, hx, params, has_biases, layers,
                              dropout, train, bidirectional, batch_first)
         self.calls += 1
-        cast = None
-        if torch.is_autocast_enabled("cpu") and input.dtype == torch.float32:  # cuDNN's autocast: cast and reflatten
-            cast = torch.get_autocast_dtype("cpu")
-            input, states = input.to(cast), [state.to(cast) for state in states]
+        hidden = states[0].size(-1)
+        self.small_hidden |= 128 < hidden <= 192
+        if dropout and self.dropout_state is None:
+            self.dropout_state_size = dropout_state_bytes(self.device_label)
+            self.dropout_state = input.new_empty(self.dropout_state_size, dtype=torch.uint8)
+        cast = False
+        if torch.is_autocast_enabled("cpu"):
+            # AutocastRNN.cpp (_cudnn_rnn_cast_reflatten): cuDNN's RNN under autocast runs in fp16, whatever
+            # autocast's dtype (an H100 returned an fp16 output under bf16 autocast), the weights cast into one flat
+            # fp16 buffer unless they are fp16, the input and states cast unless they are
+            cast = params[0].dtype in (torch.float32, torch.bfloat16)
+            input, states = _half(input), [_half(state) for state in states]
+        elif params[0].dtype == torch.bfloat16:
+            # bf16 weights are never flattened (cudnn.is_acceptable takes no bf16): cuDNN copies them into one
+            # flat buffer at every call, kept for backward (an H100 did so: rnn_autocast.log)
+            cast = True
+        directions = 2 if bidirectional else 1
+        bias_space = 0 if has_biases else layers * directions * 2 * _GATES[kind] * hidden  # cuDNN's buffers have it
+        call = _Call(kind, layers, directions, bool(dropout), cast, bias_space, batch_first, self.device_label)
         x = input.transpose(0, 1) if batch_first else input
         cell = states[1] if kind == "lstm" else None
-        outputs = _CudnnRNNFunction.apply(kind, layers, cast, x, states[0], cell, *params)
+        outputs = _CudnnRNNFunction.apply(call, x, states[0], cell, *params)
         output = outputs[0].transpose(0, 1) if batch_first else outputs[0]
         return (output, *outputs[1:])
 
     @staticmethod
     def _unmodelled(kind: str, input: torch.Tensor, states: list[torch.Tensor], params: list[torch.Tensor],
-                    has_biases: bool, layers: int, dropout: float, train: bool, bidirectional: bool) -> str | None:
+                    has_biases: bool, layers: int, train: bool, bidirectional: bool) -> str | None:
         """Why cuDNN's memory is not modelled for this call ("" where nothing is to say); None: it is."""
-        if not isinstance(input, FakeTensor) or not train:
-            return ""  # a tracked run's real tensors; evaluation (cuDNN's inference kernel, not measured)
-        per_layer = 4 if has_biases else 2
-        if bidirectional:
-            return "bidirectional layers"
+        if not isinstance(input, FakeTensor):
+            return ""  # a tracked run's real tensors: PyTorch's kernels compute them
+        if not train:
+            return "evaluation mode (cuDNN's inference kernel)"
+        per_layer = (4 if has_biases else 2) * (2 if bidirectional else 1)
         if len(params) != per_layer * layers or states[0].size(-1) * _GATES[kind] != params[0].size(0):
             return "LSTM projections (proj_size)"
-        if dropout and layers > 1:
-            return "dropout between layers (cuDNN keeps a dropout state)"
-        if input.dtype not in _COMPUTED or input.dim() != 3:
-            return f"{input.dtype} input" if input.dtype not in _COMPUTED else ""
+        if input.dtype not in _COMPUTED:
+            return f"{input.dtype} input"
+        if input.dim() != 3:
+            return ""  # nn.LSTM and nn.GRU batch an unbatched input themselves: another caller's, left alone
         return None
 
     def notes(self, steps: int = 1) -> list[str]:
@@ -242,10 +381,25 @@ class CudnnRNN(ScopedKernels):
         if self.calls:
             calls = self.calls // steps
             notes.append(
-                f"cuDNN: {calls} LSTM/GRU call{'s' if calls != 1 else ''} per step modelled as cuDNN's RNN kernel on "
-                "an NVIDIA GPU: its reserve buffer kept for backward (cuDNN's size, exact on an H100 in 72 steps) and "
-                "its workspace while it runs (fitted to an H100's with cuDNN 9.19, within 0.7 % for 64 LSTMs; other "
-                "GPUs and cuDNN versions may take other sizes)")
+                f"cuDNN: {calls} LSTM/GRU call{'s' if calls != 1 else ''} per step (recomputed ones and "
+                "micro-batches too) modelled as cuDNN's RNN kernel on an NVIDIA GPU: its reserve buffer kept for "
+                "backward (cuDNN's size, exact in 2,207 H100 steps) and its workspace while it runs (fitted to an "
+                "H100's with cuDNN 9.19; other GPUs and cuDNN versions may take other sizes); under autocast in fp16, "
+                "whatever autocast's dtype, as cuDNN runs it")
+            if self.small_hidden:
+                notes.append(
+                    "cuDNN: at hidden sizes 129-192 cuDNN runs a different forward kernel from its backward's "
+                    "(persist small-h forward only), whose workspace the H100's probe could not read: interpolated")
+            if self.dropout_state_size:
+                notes.append(
+                    f"cuDNN: dropout between recurrent layers keeps a dropout state, "
+                    f"{format_bytes(self.dropout_state_size)} made once for the process (24 "
+                    "bytes a resident thread, as an H100 took it; other GPUs not measured)")
         if self.unmodelled:
             notes.append(f"cuDNN: not modelled for {', '.join(self.unmodelled)}: PyTorch's CPU RNN kernel ran there")
         return notes
+
+
+def _half(tensor: torch.Tensor) -> torch.Tensor:
+    """autocast's cast for cuDNN's RNN: a floating tensor to fp16 (fp64 left alone)."""
+    return tensor.to(torch.float16) if tensor.dtype in (torch.float32, torch.bfloat16) else tensor

@@ -296,7 +296,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     on_mps = getattr(PRESETS.get(label or ""), "backend", "cuda") == "mps"
     dropout = FusedDropout() if mode != "measured" and not planned and not on_mps else None
     # an LSTM's or GRU's memory as cuDNN's kernel takes it, for an NVIDIA GPU (or none named), on fake tensors
-    rnn = CudnnRNN() if fake_mode is not None and not planned and runs_cudnn(label) else None
+    rnn = CudnnRNN(label) if fake_mode is not None and not planned and runs_cudnn(label) else None
     planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)

@@ -142,6 +142,9 @@ def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train",
     known = PRESETS.get(device_label or "")
     if known is not None and known.backend != "cuda":
         return []
-    kinds = (kind for module in model.modules() if (kind := cudnn_kind(module)) is not None)
-    return notes_for((kind for kind in kinds if not (rnn_modelled and kind == "rnn")), task == "train",
+    # rnn_modelled: cuDNN's kernel was modelled for every LSTM/GRU call (nbmem.estimation.cudnn_rnn); nn.RNN's is not
+    modelled = (nn.LSTM, nn.GRU) if rnn_modelled else ()
+    kinds = (kind for module in model.modules()
+             if (kind := cudnn_kind(module)) is not None and not isinstance(module, modelled))
+    return notes_for(kinds, task == "train",
                      known.vendor if known is not None else "NVIDIA")
