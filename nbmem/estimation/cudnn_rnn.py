@@ -31,10 +31,10 @@ autocast, one and both directions, dropout between layers) showed:
   forward, backward-data, backward-weights; one at a time). It is cuDNN's own
   choice, with no rule to read: :func:`workspace` interpolates a model fitted
   to the H100's sizes for each hidden size (``benchmarks/fit_cudnn_rnn.py``):
-  on 1,643 steps, half of them within 0.1 %, 90 % within -7.9 .. +6.4 %,
+  on 1,649 steps, half of them within 0.1 %, 90 % within -7.9 .. +6.4 %,
   worst -35 .. +20 %; fitted on 70 % of them, the other 30 %: 90 % within
-  -10.9 .. +8.0 %. An LSTM on cuDNN's persistent kernel (fp16, one layer:
-  :func:`persistent`) has its own fit (27 steps, -9 .. +8 %). Both directions
+  -9.3 .. +8.6 %. An LSTM on cuDNN's persistent kernel (fp16, one layer:
+  :func:`persistent`) has its own fit (21 steps, -5 .. +7 %). Both directions
   take twice one direction's (median -0.2 %, -30 .. +28 % in 128 steps). At
   hidden sizes 129 to 192 cuDNN's forward runs another kernel than its
   backward (``use_rnn_persist_small_h``) and the probe could not read the
@@ -110,7 +110,9 @@ def reserve_bytes(kind: str, layers: int, steps: int, batch: int, hidden: int, i
 
 def dropout_state_bytes(device_label: str | None) -> int:
     """cuDNN's dropout state on the GPU ``device_label`` names (the H100's where none is): 24 bytes a thread the
-    GPU can keep resident, as an H100 took it (132 SMs x 2,048 threads: 6,488,064 B; other GPUs not measured).
+    GPU can keep resident, as an H100 took it (132 SMs x 2,048 threads: 6,488,064 B). cuDNN does not say how it
+    sizes it: 48 bytes (curand's XORWOW state) for 1,024 threads an SM fits the H100 as well, and gives the same
+    on every GPU with 2,048 (V100, A100, H100, H200), up to twice this on the others; none of them measured.
 
     >>> dropout_state_bytes("H100-80GB"), dropout_state_bytes("T4"), dropout_state_bytes(None)
     (6488064, 983040, 6488064)
@@ -145,6 +147,8 @@ def persistent(kind: str, layers: int, hidden: int, inputs: int, batch: int, ste
     """
     if precision != "fp16" or layers != 1 or directions != 1 or hidden > 1024 or hidden % 128 or inputs % 128:
         return False
+    if hidden <= 128:  # use_rnn_persist_small_h comes first: its kernel, forward and backward, up to 128
+        return False
     label = device_label if device_label is not None and device_label in SM_COUNT else "H100-80GB"
     major, minor = COMPUTE_CAPABILITY[label]
     if major == 7:
@@ -154,23 +158,24 @@ def persistent(kind: str, layers: int, hidden: int, inputs: int, batch: int, ste
 
 
 def workspace(kind: str, layers: int, steps: int, batch: int, hidden: int, itemsize: int, inputs: int | None = None,
-              precision: str | None = None, device_label: str | None = None) -> int:
+              precision: str | None = None, device_label: str | None = None, directions: int = 1) -> int:
     """cuDNN's RNN workspace in bytes, as an H100 (cuDNN 9.19) took it (:mod:`nbmem.estimation.cudnn_rnn_fit`).
 
     ``precision`` is the one cuDNN computes in, "fp32" or "fp16" (autocast's, whatever its dtype; bf16 weights
     without autocast, not measured, take fp16's). The model is fitted for each hidden size measured (32 to 2048);
     between two of them it interpolates, below the smallest it takes the smallest's, above the largest it scales
     the largest's with ``hidden``. An LSTM on cuDNN's persistent kernel (:func:`persistent`) has a fit of its own.
+    Both directions take twice one direction's (128 H100 steps: median -0.2 %, -30 .. +28 %).
 
     >>> workspace("lstm", 2, 32, 8, 256, 4)  # the H100 took 22,724,928 B
     22576128
     """
     precision = precision or ("fp32" if itemsize >= 4 else "fp16")
-    precision = "fp16" if precision == "bf16" else precision
     inputs = inputs if inputs is not None else hidden
-    if kind == "lstm" and persistent(kind, layers, hidden, inputs, batch, steps, precision, 1, device_label):
+    if kind == "lstm" and persistent(kind, layers, hidden, inputs, batch, steps, precision, directions, device_label):
         values = persistent_features(layers, steps, batch, hidden, inputs)
         return int(max(sum(c * v for c, v in zip(PERSISTENT, values)), 0.0)) // 512 * 512
+    precision = "fp16" if precision == "bf16" else precision  # bf16's not measured: fp16's stands in
     sizes = sorted(size for (name, kind_precision, size) in WORKSPACE if name == kind and kind_precision == precision)
 
     def at(size: int, scale: float = 1.0) -> float:
@@ -190,29 +195,32 @@ def workspace(kind: str, layers: int, steps: int, batch: int, hidden: int, items
         low, high = below[-1], above[0]
         share = (hidden - low) / (high - low)
         found = (1 - share) * at(low) + share * at(high)
-    return int(found) // 512 * 512
+    return directions * int(found) // 512 * 512
 
 
 #: the precision cuDNN computes in, by dtype: bf16's (cuDNN 9.13 and later, bf16 weights without autocast) was not
 #: measured, fp16's stands in for it
-_PRECISIONS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "fp16"}
+_PRECISIONS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 class _Call:
     """What one call is, for _CudnnRNNFunction (its shapes come from the tensors)."""
 
     #: cast: the weights go into one flat buffer at this call, in the input's dtype (autocast's fp16 cast, or bf16
-    #: weights cuDNN copies), kept for backward; backward casts (or copies) the flat gradient back to each weight's
+    #: weights cuDNN copies), kept for backward; backward casts the flat gradient back to each weight's dtype.
+    #: bias_space: the room for biases a flat buffer has that the weights lack (cuDNN's own buffers have it;
+    #: autocast's cast leaves it out). copied: without biases each weight's gradient is copied out of the flat one
     def __init__(self, kind: str, layers: int, directions: int, dropout: bool, cast: bool, bias_space: int,
-                 batch_first: bool, device_label: str | None) -> None:
+                 copied: bool, batch_first: bool, device_label: str | None) -> None:
         self.kind, self.layers, self.directions, self.dropout = kind, layers, directions, dropout
-        self.cast, self.bias_space, self.batch_first, self.device_label = cast, bias_space, batch_first, device_label
+        self.cast, self.bias_space, self.copied = cast, bias_space, copied
+        self.batch_first, self.device_label = batch_first, device_label
 
     def workspace(self, x: torch.Tensor, hidden: int) -> int:
         """Both directions take twice one direction's workspace (128 H100 steps: median -0.2 %, -30 .. +28 %)."""
         steps, batch, inputs = x.shape
-        return self.directions * workspace(self.kind, self.layers, steps, batch, hidden, x.dtype.itemsize, inputs,
-                                           _PRECISIONS[x.dtype], self.device_label)
+        return workspace(self.kind, self.layers, steps, batch, hidden, x.dtype.itemsize, inputs, _PRECISIONS[x.dtype],
+                         self.device_label, self.directions)
 
 
 class _CudnnRNNFunction(torch.autograd.Function):
@@ -225,7 +233,7 @@ class _CudnnRNNFunction(torch.autograd.Function):
         hidden = hx.size(-1)
         dtype = x.dtype
         flat = None
-        if call.cast:  # autocast: the weights cast into one fp16 buffer with cuDNN's room for biases, kept
+        if call.cast:  # the weights cast (or copied) into one flat buffer, kept
             flat = x.new_empty(sum(w.numel() for w in weights) + call.bias_space, dtype=dtype)
         copied = x.contiguous()  # the kernel's (steps, batch) layout: a copy of a batch-first input while it runs
         output = x.new_empty(steps, batch, call.directions * hidden)
@@ -245,6 +253,8 @@ class _CudnnRNNFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor | None, grad_hy: torch.Tensor | None,
                  *grad_cy: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
+        if grad_output is None and grad_hy is None and (not grad_cy or grad_cy[0] is None):
+            return (None,) * (_WEIGHTS + len(ctx.shapes))  # _cudnn_rnn_backward: nothing to do, nothing made
         x, hx, cx, output, *_ = ctx.saved_tensors  # the reserve and cast weights stay saved until it returns
         scratch_size = call.workspace(x, hx.size(-1))
         transient = []
@@ -252,9 +262,11 @@ class _CudnnRNNFunction(torch.autograd.Function):
             zeros = output.new_zeros(output.transpose(0, 1).shape if call.batch_first else output.shape)
             grad_output = zeros.transpose(0, 1) if call.batch_first else zeros
             transient.append(zeros)
-        held = [hx.new_zeros(hx.shape) if grad_hy is None else grad_hy]
-        if cx is not None and (not grad_cy or grad_cy[0] is None):
-            held.append(cx.new_zeros(cx.shape))
+        # the states' gradients: zeros where undefined, contiguous copies (of a sum's expanded one, say) where not;
+        # held until backward returns
+        held = [hx.new_zeros(hx.shape) if grad_hy is None else grad_hy.contiguous()]
+        if cx is not None:
+            held.append(cx.new_zeros(cx.shape) if not grad_cy or grad_cy[0] is None else grad_cy[0].contiguous())
         # backward-data: runs whatever needs a gradient (backward-weights needs it first)
         transient.append(grad_output.contiguous())  # the incoming gradient in the kernel's layout, while it runs
         grad_x = x.new_empty(x.shape)
@@ -262,21 +274,23 @@ class _CudnnRNNFunction(torch.autograd.Function):
         grad_hx = hx.new_empty(hx.shape)
         grad_cx = cx.new_empty(cx.shape) if cx is not None else None
         transient.append(x.new_empty(scratch_size, dtype=torch.uint8))
-        del transient, held
+        del transient
         grads: list[torch.Tensor | None] = [None] * len(ctx.shapes)
         if any(ctx.needs_input_grad[_WEIGHTS:]):
             transient = [x.contiguous()]  # backward-weights: the input in the kernel's layout, and its workspace
             flat_grad = x.new_zeros(sum(shape.numel() for shape, _ in ctx.shapes) + call.bias_space)
             transient.append(x.new_empty(scratch_size, dtype=torch.uint8))
-            del transient
             offset = 0
-            for index, (shape, dtype) in enumerate(ctx.shapes):
+            for index, (shape, _) in enumerate(ctx.shapes):
                 part = flat_grad[offset:offset + shape.numel()].view(shape)
                 offset += shape.numel()
                 if ctx.needs_input_grad[_WEIGHTS + index]:
-                    # views of the flat gradient; copies where it is cast back, or has room for biases it lacks
-                    grads[index] = part.to(dtype) if call.cast else part.clone() if call.bias_space else part
-            del flat_grad, part
+                    # views of the flat gradient; without biases each copied out, before the workspace goes
+                    grads[index] = part.clone() if call.copied else part
+            del transient, flat_grad, part
+            # the cast back to each weight's dtype: its own backward, after cuDNN's has returned
+            grads = [grad.to(dtype) if grad is not None else None for grad, (_, dtype) in zip(grads, ctx.shapes)]
+        del held
         return (None, grad_x, grad_hx, grad_cx, *grads)
 
 
@@ -350,8 +364,11 @@ class CudnnRNN(ScopedKernels):
             # flat buffer at every call, kept for backward (an H100 did so: rnn_autocast.log)
             cast = True
         directions = 2 if bidirectional else 1
-        bias_space = 0 if has_biases else layers * directions * 2 * _GATES[kind] * hidden  # cuDNN's buffers have it
-        call = _Call(kind, layers, directions, bool(dropout), cast, bias_space, batch_first, self.device_label)
+        # cuDNN's own flat buffers have room for biases; autocast's cast flattens without it (include_bias=false)
+        autocast_cast = cast and input.dtype == torch.float16 and params[0].dtype != torch.float16
+        bias_space = 0 if has_biases or autocast_cast else layers * directions * 2 * _GATES[kind] * hidden
+        call = _Call(kind, layers, directions, bool(dropout), cast, bias_space, not has_biases, batch_first,
+                     self.device_label)
         x = input.transpose(0, 1) if batch_first else input
         cell = states[1] if kind == "lstm" else None
         outputs = _CudnnRNNFunction.apply(call, x, states[0], cell, *params)
@@ -394,7 +411,8 @@ class CudnnRNN(ScopedKernels):
                 notes.append(
                     f"cuDNN: dropout between recurrent layers keeps a dropout state, "
                     f"{format_bytes(self.dropout_state_size)} made once for the process (24 "
-                    "bytes a resident thread, as an H100 took it; other GPUs not measured)")
+                    "bytes a resident thread, as an H100 took it; other GPUs not measured, and on those with fewer "
+                    "than 2,048 threads an SM it may be up to twice this)")
         if self.unmodelled:
             notes.append(f"cuDNN: not modelled for {', '.join(self.unmodelled)}: PyTorch's CPU RNN kernel ran there")
         return notes
