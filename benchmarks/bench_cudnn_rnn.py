@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nbmem.estimation.estimate import estimate  # noqa: E402
 
-#: kind, input size, hidden, layers, batch, steps, precision, optimizer
+#: kind, input size, hidden, layers, batch, steps, precision, optimizer[, the layer's options]
 GRID = [
     ("LSTM", 64, 256, 2, 8, 32, "fp32", "adamw"),  # the campaign's zoo LSTM
     ("LSTM", 64, 384, 3, 32, 64, "fp32", "adamw"),
@@ -41,30 +41,36 @@ GRID = [
     ("GRU", 128, 512, 1, 32, 64, "bf16", "adamw"),
     ("GRU", 64, 256, 3, 16, 100, "fp32", "sgd"),
     ("GRU", 64, 768, 2, 24, 48, "bf16", "sgd"),
+    # the paths added after the first run (dropout between layers, both directions, no biases, the persistent kernel)
+    ("LSTM", 128, 256, 3, 32, 64, "fp32", "adamw", {"dropout": 0.3}),
+    ("LSTM", 128, 256, 2, 32, 64, "bf16", "adamw", {"bidirectional": True, "dropout": 0.2}),
+    ("GRU", 300, 384, 2, 16, 100, "fp32", "sgd", {"bidirectional": True}),
+    ("LSTM", 512, 512, 1, 64, 200, "fp16", "adamw", {}),  # cuDNN's persistent kernel (fp16, sizes of 128)
+    ("LSTM", 128, 256, 2, 32, 64, "bf16", "sgd", {"bias": False}),
 ]
 
 
 class Sequence(nn.Module):
-    def __init__(self, kind: str, inputs: int, hidden: int, layers: int) -> None:
+    def __init__(self, kind: str, inputs: int, hidden: int, layers: int, **options: Any) -> None:
         super().__init__()
-        self.rnn = getattr(nn, kind)(inputs, hidden, num_layers=layers, batch_first=True)
-        self.head = nn.Linear(hidden, 10)
+        self.rnn = getattr(nn, kind)(inputs, hidden, num_layers=layers, batch_first=True, **options)
+        self.head = nn.Linear(hidden * (2 if options.get("bidirectional") else 1), 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.rnn(x)[0][:, -1])
 
 
 def row(kind: str, inputs: int, hidden: int, layers: int, batch: int, steps: int, precision: str, optimizer: str,
-        measure: bool) -> dict[str, Any]:
+        options: dict[str, Any] | None = None, *, measure: bool) -> dict[str, Any]:
     def build() -> nn.Module:
-        return Sequence(kind, inputs, hidden, layers)
+        return Sequence(kind, inputs, hidden, layers, **(options or {}))
 
     def make(n: int) -> Any:
         return torch.randn(n, steps, inputs), torch.randint(0, 10, (n,))
 
     knobs = dict(batch_size=batch, precision=precision, optimizer=optimizer)
     out: dict[str, Any] = {"kind": kind, "inputs": inputs, "hidden": hidden, "layers": layers, "batch": batch,
-                           "steps": steps, "precision": precision, "optimizer": optimizer}
+                           "steps": steps, "precision": precision, "optimizer": optimizer, **(options or {})}
     started = time.perf_counter()
     estimated = estimate(build, make, device="H100-80GB", **knobs)
     out.update(estimate=estimated.peak, estimate_reserved=estimated.reserved,
