@@ -17,8 +17,10 @@ the key where its composite kernel runs, so autograd records the fused op) by
 one that runs PyTorch's own composite kernel with ``dropout_p=0``: same shapes
 and saved tensors as CUDA's fused kernels, no dropout applied (an estimate has
 no values; a tracked run's numbers differ, its memory does not). It counts the
-calls and which CPU kernel ran, for the estimate's notes. One call runs PyTorch's
-math kernel instead, as on CUDA: grouped-query attention (``enable_gqa=True``,
+calls and which CPU kernel ran, for the estimate's notes. For an NVIDIA GPU
+(``workspaces``, set by the estimate) backward also holds the workspace the
+GPU's fused kernel takes (:func:`backward_workspace`, as an H100 took it).
+One call runs PyTorch's math kernel instead, as on CUDA: grouped-query attention (``enable_gqa=True``,
 fewer key/value heads) in fp32, which no fused CUDA kernel takes (flash and
 cuDNN take no fp32; memory-efficient attention no grouped-query input before
 pytorch/pytorch#191085); it keeps the attention matrix for backward.
@@ -49,6 +51,7 @@ note says so. Masks a real run builds too (a sliding window, a bias) get none.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import weakref
 from typing import Any
@@ -58,7 +61,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .kernels import ScopedKernels
 
-__all__ = ["FusedAttention", "set_attention", "check_attention", "batch_positions", "IMPLEMENTATIONS"]
+__all__ = ["FusedAttention", "set_attention", "check_attention", "batch_positions", "backward_workspace",
+           "IMPLEMENTATIONS"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
@@ -85,6 +89,10 @@ class FusedAttention(ScopedKernels):
         self.hugging_face = False
         #: masks transformers built because it couldn't read a fake attention_mask or position_ids
         self.unread = 0
+        #: whether backward takes the workspace an NVIDIA GPU's fused kernel takes (estimate_plan sets it), and the
+        #: calls that took one
+        self.workspaces = False
+        self.with_workspace = 0
         self._masking: Any = None  # transformers.masking_utils, while its checks are wrapped
         self._skip_wrapped = False  # whether its padding check is one of them (a transformers that has it)
 
@@ -141,7 +149,28 @@ class FusedAttention(ScopedKernels):
         output = _SDPA.decompose(*args, **kwargs)
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
             self.math += 1
+        elif output.grad_fn is not None and self.workspaces and not torch.compiler.is_compiling():
+            self._take_workspace(output, args[:3])
         return output
+
+    def _take_workspace(self, output: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
+        """Backward holds :func:`backward_workspace`'s bytes from the output's gradient until an input's is made,
+        as the GPU's kernel holds them while it makes the inputs' gradients."""
+        released = next((tensor for tensor in inputs if tensor.requires_grad), None)
+        if released is None:
+            return
+        size = backward_workspace(inputs[0], inputs[1])
+        held: list[torch.Tensor] = []
+        self.with_workspace += 1
+
+        def take(grad: torch.Tensor) -> None:
+            held.append(grad.new_empty(size, dtype=torch.uint8))
+
+        def release(grad: torch.Tensor) -> None:
+            held.clear()
+
+        output.register_hook(take)
+        released.register_hook(release)
 
     def notes(self, steps: int = 1) -> list[str]:
         """What the estimate assumed about attention in each of ``steps`` steps, for its notes (none without SDPA).
@@ -159,6 +188,12 @@ class FusedAttention(ScopedKernels):
             "a float32 log-sum-exp per row saved, no attention matrix), as CUDA's flash (bf16/fp16, head_dim <= 256), "
             "memory-efficient (fp32 or a mask) and cuDNN kernels do; which one the GPU picks is not checked here"
         ]
+        if self.with_workspace:
+            notes.append(
+                f"attention: {per_step(self.with_workspace, 'calls')} take a workspace in backward as an H100's "
+                "fused kernels took it (cuDNN's attention in bf16/fp16: an fp32 dQ and a row statistic, twice the dQ "
+                "for grouped-query input; memory-efficient attention in fp32: an fp32 dQ over rows rounded to 64); "
+                "other GPUs' kernels (flash on an A100) take about as much, not measured")
         if self.with_dropout:
             notes.append(
                 f"attention: {per_step(self.with_dropout, 'calls')} with dropout run without it, as CUDA's fused kernels save no "
@@ -187,6 +222,26 @@ class FusedAttention(ScopedKernels):
                 "flash kernel did not apply); a GPU's fused kernel may hold less there"
             )
         return notes
+
+
+def backward_workspace(query: torch.Tensor, key: torch.Tensor) -> int:
+    """The bytes an NVIDIA GPU's fused attention holds in backward beside the gradients, as an H100 took them (torch
+    2.11, cuDNN 9.19, 2026-11-27: ``benchmarks/results/2026-11-27-gpu/misses-first.json``, exact in all 36 fused
+    calls measured): cuDNN's attention, which PyTorch picks there for bf16 and fp16, an fp32 dQ (twice for
+    grouped-query input) and a float32 statistic a row; memory-efficient attention, which it picks for fp32, an fp32
+    dQ over rows rounded up to 64, and a quarter byte a row.
+
+    >>> q = torch.empty(4, 8, 1000, 64, dtype=torch.bfloat16)
+    >>> backward_workspace(q, q), backward_workspace(q, q[:, :2]), backward_workspace(q.float(), q.float())
+    (8320256, 16512256, 8396800)
+    """
+    *batch, heads, length, size = query.shape
+    rows = math.prod(batch) * heads
+    if query.dtype == torch.float32:
+        padded = -(-length // 64) * 64
+        return rows * padded * size * 4 + rows * padded // 4
+    grouped = 2 if key.size(-3) != heads else 1
+    return grouped * rows * length * size * 4 + rows * length * 4 + 256
 
 
 #: Hugging Face attention implementations an estimate can set (attn_implementation), and what each runs here.
