@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -71,3 +72,52 @@ def test_estimates_for_an_nvidia_gpu_take_it_and_say_so(device: str | None, take
     assert len(noted) == taken
     if taken:
         assert noted[0].startswith("attention: 1 calls per step take a workspace in backward as an H100's")
+
+
+class _Nothing(torch.autograd.Function):
+    """Passes its input on, and gives it no gradient back."""
+
+    @staticmethod
+    def forward(ctx, tensor):  # type: ignore[no-untyped-def, override]
+        return tensor * 1
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        return None
+
+
+def test_each_call_holds_its_workspace_only_while_its_backward_runs() -> None:
+    """From a review: held from the node's start to its end, not until an input's gradient (the same query in four
+    calls held four at once; gradients asked for the key and value only left one behind); an undefined output
+    gradient takes none and raises nothing."""
+    def step(backward: Any, calls: int = 1) -> tuple[int, int]:
+        torch.manual_seed(0)
+        query, key, value = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+        results = {}
+        for workspaces in (False, True):
+            with FusedAttention() as attention:
+                attention.workspaces = workspaces
+                outputs = [nn.functional.scaled_dot_product_attention(query, key, value) for _ in range(calls)]
+                with track("cpu") as tracked:
+                    kept = backward(outputs, query, key, value)
+                del kept
+            assert tracked.result is not None
+            results[workspaces] = (tracked.result.peak_allocated, tracked.result.allocated_after)
+        return results[True][0] - results[False][0], results[True][1] - results[False][1]
+
+    four = step(lambda outputs, q, k, v: torch.autograd.grad(sum(o.sum() for o in outputs), (q, k, v)), calls=4)
+    assert 0 < four[0] <= 8704 and four[1] == 0  # one call's workspace at a time (four at once: 33,792 B)
+    key_and_value = step(lambda outputs, q, k, v: torch.autograd.grad(outputs[0].sum(), (k, v)))
+    assert key_and_value == (8704, 0)  # nothing left behind
+    undefined = step(lambda outputs, q, k, v: torch.autograd.grad(_Nothing.apply(outputs[0]).sum() + q.sum(), (q,)))
+    assert undefined == (0, 0)
+
+
+def test_fp64_attention_takes_no_workspace() -> None:
+    """CUDA runs fp64 attention on PyTorch's math kernel: no fused kernel's workspace (the CPU's flash kernel takes
+    fp64, so the rule is nbmem's)."""
+    query = torch.randn(1, 2, 64, 16, dtype=torch.float64, requires_grad=True)
+    with FusedAttention() as attention:
+        attention.workspaces = True
+        nn.functional.scaled_dot_product_attention(query, query, query)
+    assert attention.calls == 1 and attention.with_workspace == 0

@@ -149,28 +149,30 @@ class FusedAttention(ScopedKernels):
         output = _SDPA.decompose(*args, **kwargs)
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
             self.math += 1
-        elif output.grad_fn is not None and self.workspaces and not torch.compiler.is_compiling():
+        elif output.grad_fn is not None and self.workspaces and not _tracing():
             self._take_workspace(output, args[:3])
         return output
 
     def _take_workspace(self, output: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
-        """Backward holds :func:`backward_workspace`'s bytes from the output's gradient until an input's is made,
-        as the GPU's kernel holds them while it makes the inputs' gradients."""
-        released = next((tensor for tensor in inputs if tensor.requires_grad), None)
-        if released is None:
-            return
+        """The attention's backward node holds :func:`backward_workspace`'s bytes while it runs: taken as it starts
+        (a pre-hook), given back as it ends (a hook, which runs once its gradients are made)."""
+        if inputs[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return  # fp64: CUDA runs PyTorch's math kernel, no fused one
+        node = output.grad_fn
+        assert node is not None  # checked by the caller
         size = backward_workspace(inputs[0], inputs[1])
         held: list[torch.Tensor] = []
         self.with_workspace += 1
 
-        def take(grad: torch.Tensor) -> None:
-            held.append(grad.new_empty(size, dtype=torch.uint8))
+        def take(grads: tuple[torch.Tensor | None, ...]) -> None:
+            if grads and grads[0] is not None:
+                held.append(grads[0].new_empty(size, dtype=torch.uint8))
 
-        def release(grad: torch.Tensor) -> None:
+        def release(inputs: Any, grads: Any) -> None:
             held.clear()
 
-        output.register_hook(take)
-        released.register_hook(release)
+        node.register_prehook(take)
+        node.register_hook(release)
 
     def notes(self, steps: int = 1) -> list[str]:
         """What the estimate assumed about attention in each of ``steps`` steps, for its notes (none without SDPA).
@@ -242,6 +244,12 @@ def backward_workspace(query: torch.Tensor, key: torch.Tensor) -> int:
         return rows * padded * size * 4 + rows * padded // 4
     grouped = 2 if key.size(-3) != heads else 1
     return grouped * rows * length * size * 4 + rows * length * 4 + 256
+
+
+def _tracing() -> bool:
+    """Whether Dynamo or AOTAutograd is tracing (the kernel then runs for a trace, not a step): a compile session's
+    flag, which older torch releases cleared during AOTAutograd's joint trace, or a tracing context."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 #: Hugging Face attention implementations an estimate can set (attn_implementation), and what each runs here.
