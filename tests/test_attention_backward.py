@@ -72,6 +72,8 @@ def test_estimates_for_an_nvidia_gpu_take_it_and_say_so(device: str | None, take
     assert len(noted) == taken
     if taken:
         assert noted[0].startswith("attention: 1 calls per step take a workspace in backward as an H100's")
+    others = "cuBLAS's and attention's backward (noted above)" if taken else "cuBLAS's"
+    assert f"kernel workspaces other than {others} are not included" in " ".join(result.notes)
 
 
 class _Nothing(torch.autograd.Function):

@@ -186,6 +186,7 @@ def test_an_estimate_follows_cudnn_on_an_nvidia_gpu_and_says_so() -> None:
     # the campaign's LSTM (benchmarks/bench_accuracy.py); its H100 figures are checked in test_h100_figures
     assert any(note.startswith("cuDNN: 1 LSTM/GRU call per step (recomputed") for note in on_h100.notes)
     assert RNN_NOTE not in on_h100.notes
+    assert "kernel workspaces other than cuBLAS's and cuDNN's RNN (noted above) are not included" in str(on_h100)
     on_mac = estimate(Sequence, batch, batch_size=8, optimizer="sgd", device="Mac-16GB")
     assert not any(note.startswith("cuDNN") for note in on_mac.notes)
     # what cuDNN's reserve and workspace add over PyTorch's CPU kernels, for this LSTM: more than 15 MiB

@@ -467,9 +467,13 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes.append(tracker_alongside_note("step's run without the breakdown's tracker"))
     else:
         notes += plan.allocator.simulation_notes()
-        notes.append("kernel workspaces other than cuBLAS's are not included (inductor's plan follows oneDNN's CPU kernels)"
-                     if planned else "kernel workspaces other than cuBLAS's are not included (CPU oneDNN kernels are "
-                     "turned off for the step)")
+        modelled = [name for name, taken in (("cuDNN's RNN", rnn is not None and rnn.calls),
+                                             ("attention's backward", attention is not None and attention.with_workspace))
+                    if taken]
+        others = f"cuBLAS's and {' and '.join(modelled)} (noted above)" if modelled else "cuBLAS's"
+        notes.append(f"kernel workspaces other than {others} are not included (inductor's plan follows oneDNN's CPU "
+                     "kernels)" if planned else f"kernel workspaces other than {others} are not included (CPU oneDNN "
+                     "kernels are turned off for the step)")
         notes += cudnn_notes(network, label, task, rnn_modelled=rnn is not None and bool(rnn.calls) and not rnn.unmodelled)
     if planning is not None:
         if planning.calls == 0:
