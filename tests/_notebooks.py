@@ -62,13 +62,21 @@ def assert_committed_clean(path: Path) -> nbformat.NotebookNode:
 
 
 def text(cell: nbformat.NotebookNode) -> str:
-    """Everything a cell printed or displayed as text."""
-    parts = []
+    """Everything a cell printed or displayed as text. A stream's consecutive outputs are one text, as Jupyter shows
+    them: the kernel sends what was printed in as many messages as its flushes made, more on a busy machine (CI of
+    2026-11-27 read an empty line in the middle of a loop's lines, which only a newline joining two parts makes)."""
+    parts: list[str] = []
+    stream = None
     for output in cell.outputs:
         if output.output_type == "stream":
-            parts.append(output.text)
+            if stream == output.name:
+                parts[-1] += output.text
+            else:
+                parts.append(output.text)
+            stream = output.name
         elif "text/plain" in output.get("data", {}):
             parts.append(output["data"]["text/plain"])
+            stream = None
     return "\n".join(parts)
 
 
