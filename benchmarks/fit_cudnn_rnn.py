@@ -15,7 +15,7 @@ import argparse
 import json
 import random
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SOURCE = ROOT / "benchmarks/results/2026-11-27-gpu/rnn_sizes.json"
 TARGET = ROOT / "nbmem/estimation/cudnn_rnn_fit.py"
+
+
+def traced_workspace(forward: list[list[Any]], backward: list[list[Any]], output: int) -> int | None:
+    """cuDNN's RNN workspace in one traced step (``[bytes, freed]`` for each allocation of forward and of backward):
+    the largest allocation forward freed that backward took twice (backward-data's and backward-weights'), other
+    than the output's size or twice it (the loss's own buffers)."""
+    twice = Counter(size for size, _ in backward)
+    taken = [size for size, freed in forward if freed and twice[size] >= 2 and size not in (output, 2 * output)]
+    return max(taken) if taken else None
 
 
 def usable(row: dict) -> bool:
@@ -37,13 +46,9 @@ def measured() -> list[dict]:
     """rnn_sizes.json's steps and misses-first.json's traced ones, each with the precision cuDNN computed in: the
     probes' "bf16" ran under bf16 autocast, which runs cuDNN's RNN in fp16 (AutocastRNN.cpp casts to fp16 whatever
     autocast's dtype: rnn_autocast.log); rnn_sizes.json's "fp16" ran without autocast, in fp32."""
-    from collections import Counter
-
     rows = json.loads(SOURCE.read_text())["rows"]
     for row in json.loads((SOURCE.parent / "misses-first.json").read_text())["items"]["rnn"]["value"]["rows"]:
-        output, twice = row["ops"][0][1][0], Counter(size for size, _ in row["backward"])
-        found = max(size for size, freed in row["forward"]
-                    if freed and twice[size] >= 2 and size not in (output, 2 * output))
+        found = traced_workspace(row["forward"], row["backward"], row["ops"][0][1][0])
         rows.append({**{key: row[key] for key in ("kind", "hidden", "layers", "batch", "steps", "precision")},
                      "inputs": row["hidden"], "workspace": found, "traced": True})
     return [{**row, "kind": row["kind"].lower(),

@@ -13,7 +13,6 @@ step (and of the process's first step with dropout, which makes cuDNN's dropout 
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 import json
 import random
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fit_cudnn_rnn import traced_workspace  # noqa: E402
 from gpu_probes_misses import _outputs, _phases, _under  # noqa: E402
 
 
@@ -42,10 +42,8 @@ def sizes(kind, inputs, hidden, layers, batch, steps, precision, dropout=0.0, bi
     ops = _outputs(run, ("_cudnn_rnn",))
     phases = _phases(run)
     out = ops[0][1][0]
-    seen = collections.Counter(size for size, _ in phases["backward"])
-    transient = [size for size, freed in phases["forward"] if freed and seen[size] >= 2 and size not in (out, 2 * out)]
-    return {"reserve": ops[0][1][3], "workspace": max(transient) if transient else None, "output": out,
-            "ops": ops, **phases, **found}
+    return {"reserve": ops[0][1][3], "workspace": traced_workspace(phases["forward"], phases["backward"], out),
+            "output": out, "ops": ops, **phases, **found}
 
 
 def variants(deadline: float) -> list[dict]:

@@ -23,7 +23,11 @@ from nbmem.estimation.cudnn_rnn import CudnnRNN, dropout_state_bytes, reserve_by
 from nbmem.estimation.estimate import estimate
 from nbmem.estimation.workspaces import RNN_NOTE
 
+from _benchmarks import benchmark
+
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-27-gpu"
+with benchmark("fit_cudnn_rnn") as _fit:
+    traced_workspace, fit_usable = _fit.traced_workspace, _fit.usable
 TRACED = json.loads((RESULTS / "misses-first.json").read_text())["items"]["rnn"]["value"]["rows"]
 
 
@@ -77,11 +81,8 @@ def compare(row: dict, forward: list[int], backward: list[int]) -> None:
     ours = workspace(row["kind"].lower(), row["layers"], row["steps"], row["batch"], row["hidden"], itemsize,
                      row.get("inputs", row["hidden"]), "fp32" if itemsize == 4 else "fp16",
                      directions=2 if row.get("bidirectional") else 1)
-    # the H100's workspace: the largest size forward freed that backward took twice (as gpu_probe_rnn_sizes.py)
-    output = row["ops"][0][1][0]
-    twice = Counter(size for size, _ in row["backward"])
-    theirs = max(size for size, freed in row["forward"]
-                 if freed and twice[size] >= 2 and size not in (output, 2 * output))
+    theirs = traced_workspace(row["forward"], row["backward"], row["ops"][0][1][0])  # the H100's, as the fit reads it
+    assert theirs is not None
 
     def kept(sizes: list[int]) -> list[int]:
         # the step up to its loss (the 4-byte mean): CUDA's reduction then takes small buffers of its own
@@ -155,7 +156,7 @@ def test_the_reserve_rule_holds_for_every_step_measured() -> None:
 
 def test_the_workspace_model_stays_near_the_h100s_sizes() -> None:
     rows = json.loads((RESULTS / "rnn_sizes.json").read_text())["rows"]
-    usable = [r for r in rows if r["workspace"] > 32 * r["layers"] * r["batch"] * r["hidden"] and r["hidden"] != 192]
+    usable = [r for r in rows if fit_usable(r)]
     # the sweep's "bf16" ran under bf16 autocast (cuDNN in fp16), its "fp16" without autocast (fp32)
     errors = sorted(workspace(r["kind"].lower(), r["layers"], r["steps"], r["batch"], r["hidden"],
                               2 if r["precision"] == "bf16" else 4, r["inputs"],

@@ -295,8 +295,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     # dropout as CUDA's and XPU's fused kernel keeps it (not MPS's); inductor's plan follows its own lowering
     on_mps = getattr(PRESETS.get(label or ""), "backend", "cuda") == "mps"
     dropout = FusedDropout() if mode != "measured" and not planned and not on_mps else None
-    # an LSTM's or GRU's memory as cuDNN's kernel takes it, for an NVIDIA GPU (or none named), on fake tensors
-    rnn = CudnnRNN(label) if fake_mode is not None and not planned and runs_cudnn(label) else None
+    # an NVIDIA GPU's own kernels (or none named: a CUDA GPU's), not under compile=True's plan: an LSTM's or GRU's
+    # memory as cuDNN's kernel takes it (on fake tensors), attention's backward workspace
+    nvidia = runs_cudnn(label) and not planned
+    rnn = CudnnRNN(label) if fake_mode is not None and nvidia else None
     planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
@@ -318,7 +320,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             set_attention(network, plan.attention, notes)
             if attention is not None:
                 attention.hugging_face = type(network).__module__.startswith(("transformers.", "peft."))
-                attention.workspaces = runs_cudnn(label) and not planned  # an NVIDIA GPU's backward workspace
+                attention.workspaces = nvidia
             if task == "generate":
                 check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
             unit, unit_name = block_rule(network, plan.block)  # before checkpointing wraps the blocks
