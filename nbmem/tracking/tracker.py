@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import heapq
 import weakref
 from typing import Any
 
@@ -37,6 +36,7 @@ from ..core.records import (PeakDetail, Recording, StorageRecord, VirtualOOM, _d
 from .host_memory import HostMemory
 from .installed import Activation, remove_dispatch_modes, remove_every_tracker, unwatch_resizes, watch_resizes
 from .lines import LineCounter
+from .live_view import LiveView
 from .live import walk
 from ..core.results import CATEGORIES
 from ..core.units import CUDA_BLOCK, round_allocation
@@ -47,7 +47,7 @@ _Tensor = torch.Tensor
 _RANK = {name: rank for rank, name in enumerate(CATEGORIES)}
 
 
-class Tracker(Activation, HostMemory):
+class Tracker(Activation, HostMemory, LiveView):
     """Live bytes of the tensor storages on one device, with a running peak.
 
     A tracker is a peak counter (see :mod:`nbmem.tracking.counters`): scopes opened on
@@ -176,56 +176,6 @@ class Tracker(Activation, HostMemory):
             index, op, module = self._peak_op
             lines = self._lines.snapshot() if self._lines is not None else None
             self._peak_detail = PeakDetail(index, op, module, dict(self._categories), dict(self._modules), lines)
-
-    # -- what is live now ---------------------------------------------------
-
-    @property
-    def adopted(self) -> int:
-        """Bytes found in use that were allocated before tracking saw them."""
-        return self._adopted
-
-    @property
-    def op_count(self) -> int:
-        """Operations this tracker has seen (its op index)."""
-        return self._op_index
-
-    @property
-    def live_storages(self) -> int:
-        self.drain()
-        return len(self._storages)
-
-    def by_category(self) -> dict[str, int]:
-        """Live bytes per category now; the values sum to :meth:`allocated`."""
-        self.drain()
-        return dict(self._categories)
-
-    def by_module(self) -> dict[str | None, int]:
-        """Live bytes per top-level module now (None: made outside any module)."""
-        self.drain()
-        return {module: size for module, size in self._modules.items() if size}
-
-    def largest(self, count: int = 10) -> list[tuple[int, StorageRecord]]:
-        """The ``count`` largest live storages, as (storage key, record)."""
-        self.drain()
-        return heapq.nlargest(count, self._storages.items(), key=lambda item: item[1].size)
-
-    def storage_key(self, tensor: torch.Tensor) -> int | None:
-        """The key under which ``tensor``'s storage is tracked, None if it is not."""
-        self.drain()  # a storage freed since the last op may have left its key to this one
-        try:
-            key = tensor.untyped_storage()._cdata
-        except (RuntimeError, NotImplementedError):
-            return None
-        return key if key in self._storages else None
-
-    def record_of(self, tensor: torch.Tensor) -> StorageRecord | None:
-        key = self.storage_key(tensor)
-        return None if key is None else self._storages[key]
-
-    def module_of(self, tensor: torch.Tensor) -> str | None:
-        """The module ``tensor``'s storage belongs to (None: outside modules, or not tracked)."""
-        record = self.record_of(tensor)
-        return None if record is None else record.module
 
     # -- activation ---------------------------------------------------------
 
@@ -392,7 +342,7 @@ class Tracker(Activation, HostMemory):
                 at_peak.categories[category] += record.size
             record.category = category
         if module is not None and module != record.module:
-            self._modules[record.module] -= record.size
+            self._modules[record.module] = self._modules.get(record.module, 0) - record.size  # .get: see _release
             self._modules[module] = self._modules.get(module, 0) + record.size
             if at_peak is not None:
                 at_peak.modules[record.module] = at_peak.modules.get(record.module, 0) - record.size
@@ -520,7 +470,7 @@ class Tracker(Activation, HostMemory):
             size = self.simulator.malloc(key, asked)  # 0 for a storage resized to nothing
         growth = size - record.size
         self._categories[record.category] += growth
-        self._modules[record.module] += growth
+        self._modules[record.module] = self._modules.get(record.module, 0) + growth  # .get: see _release
         # asked last, with the size: until then the next op sees the resize as not counted and counts it again
         record.size, record.asked = size, asked
         if self._lines is not None:
@@ -554,7 +504,9 @@ class Tracker(Activation, HostMemory):
                     self.simulator.free(key)
                 self._allocated -= record.size
                 self._categories[record.category] -= record.size
-                self._modules[record.module] -= record.size
+                # .get: Ctrl-C between a record's store and its module's first count leaves no counter (reconcile
+                # releases the dead, then rebuilds the sums); nor does a rebuild keep one at 0
+                self._modules[record.module] = self._modules.get(record.module, 0) - record.size
                 if self._lines is not None:
                     self._lines.freed(record)
             self._unfinished -= 1
