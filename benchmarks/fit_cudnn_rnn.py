@@ -7,6 +7,10 @@ For each (kind, precision, hidden size) a linear model in the layers, batch, ste
 relative error; an LSTM on cuDNN's persistent kernel a model of its own. Prints the errors of a 70/30 split (fitted
 on 70 %, checked on the other 30 %) and of the whole, then writes the table fitted on all.
 
+LSTMs with projections (``proj_size``) take another workspace: ``rnn_variants.json``'s 64 steps (``--variants``:
+projection 64, hidden 128 and 512, one direction, no dropout) fitted alike for each (precision, hidden size), and
+checked by leaving each step out in turn (16 steps a fit: a 70/30 split leaves too few).
+
     python benchmarks/fit_cudnn_rnn.py [--write]
 """
 from __future__ import annotations
@@ -56,6 +60,13 @@ def measured() -> list[dict]:
              if not row.get("traced") else {"bf16": "fp16"}.get(row["precision"], row["precision"])} for row in rows]
 
 
+def projected() -> list[dict]:
+    """rnn_variants.json's LSTM steps with projections, in the precision cuDNN computed in ("bf16": autocast, fp16)."""
+    rows = json.loads((SOURCE.parent / "rnn_variants.json").read_text())["rows"]
+    return [{**row, "kind": "lstm", "precision": {"bf16": "fp16"}.get(row["precision"], row["precision"])}
+            for row in rows if row["proj"]]
+
+
 def fit(rows: list[dict], features: Any) -> list[float]:
     x = np.array([features(r["layers"], r["steps"], r["batch"], r["hidden"], r["inputs"]) for r in rows], float)
     y = np.array([r["workspace"] for r in rows], float)
@@ -102,6 +113,16 @@ def main() -> int:
     report("all, fitted on all", whole)
     persist = fit(persists, persistent_features)
     report("LSTM's persistent kernel (fp16, one layer), fitted on all", errors(persists, persist, persistent_features))
+    projections: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for row in projected():
+        projections[row["precision"], row["hidden"]].append(row)
+    left_out, projection_table = [], {}
+    for key, rows in sorted(projections.items()):
+        left_out += [errors([row], fit(rows[:i] + rows[i + 1:], features), features)[0] for i, row in enumerate(rows)]
+        projection_table[key] = fit(rows, features)
+    report("LSTM projections, each step left out of its fit", left_out)
+    report("LSTM projections, fitted on all",
+           [e for key, rows in projections.items() for e in errors(rows, projection_table[key], features)])
     if args.write:
         device = data["device"]
         lines = [f'"""cuDNN RNN workspace model fitted by benchmarks/fit_cudnn_rnn.py to an H100\'s sizes ({device},',
@@ -111,7 +132,12 @@ def main() -> int:
         lines += [f"    {key!r}: {tuple(coef)!r}," for key, coef in table.items()]
         lines += ["}", "", "#: an LSTM's persistent kernel (fp16, one layer): coefficients of "
                   "nbmem.estimation.cudnn_rnn.persistent_features",
-                  f"PERSISTENT: tuple[float, ...] = {tuple(persist)!r}"]
+                  f"PERSISTENT: tuple[float, ...] = {tuple(persist)!r}", "",
+                  "#: an LSTM with projections (measured with proj_size 64, one direction, no dropout): (precision,",
+                  "#: hidden) -> coefficients of nbmem.estimation.cudnn_rnn.features",
+                  "PROJECTED: dict[tuple[str, int], tuple[float, ...]] = {"]
+        lines += [f"    {key!r}: {tuple(coef)!r}," for key, coef in projection_table.items()]
+        lines += ["}"]
         TARGET.write_text("\n".join(lines) + "\n")
         print("wrote", TARGET.relative_to(ROOT))
     return 0

@@ -58,7 +58,8 @@ def probe_step(row: dict, warm: bool = True) -> tuple[list[int], list[int]]:
     with FakeTensorMode(), CudnnRNN() as rnn:
         model = getattr(nn, row["kind"])(row.get("inputs", row["hidden"]), row["hidden"], num_layers=row["layers"],
                                          batch_first=True, dropout=row.get("dropout", 0.0),
-                                         bidirectional=row.get("bidirectional", False))
+                                         bidirectional=row.get("bidirectional", False),
+                                         **({"proj_size": row["proj"]} if row.get("proj") else {}))
         x = torch.randn(row["batch"], row["steps"], row.get("inputs", row["hidden"]))
 
         def loss() -> torch.Tensor:
@@ -80,7 +81,7 @@ def compare(row: dict, forward: list[int], backward: list[int]) -> None:
     # the probe's "bf16" steps ran under bf16 autocast, which runs cuDNN's RNN in fp16 (and the model does too)
     ours = workspace(row["kind"].lower(), row["layers"], row["steps"], row["batch"], row["hidden"], itemsize,
                      row.get("inputs", row["hidden"]), "fp32" if itemsize == 4 else "fp16",
-                     directions=2 if row.get("bidirectional") else 1)
+                     directions=2 if row.get("bidirectional") else 1, proj=row.get("proj") or 0)
     theirs = traced_workspace(row["forward"], row["backward"], row["ops"][0][1][0])  # the H100's, as the fit reads it
     assert theirs is not None
 
@@ -113,6 +114,15 @@ def test_bidirectional_layers_and_dropout_between_layers_allocate_what_the_h100_
     compare(row, *probe_step(row))
 
 
+@pytest.mark.parametrize("row", [row for row in VARIANTS if row["proj"]][::4],
+                         ids=lambda r: f"{r['kind']}-{r['hidden']}p{r['proj']}x{r['layers']}-b{r['batch']}"
+                                       f"-t{r['steps']}-i{r['inputs']}-{r['precision']}")
+def test_lstm_projections_allocate_what_the_h100_allocated(row: dict) -> None:
+    """The output and last states in the projection's width, the cell in the hidden size, the projection's weights
+    in the flat buffers and gradient, the reserve by its own rule; the workspace by its own fit."""
+    compare(row, *probe_step(row))
+
+
 def test_the_first_step_with_dropout_makes_cudnns_dropout_state_once() -> None:
     (first,) = [row for row in VARIANTS if "first" in row]
     forward, _ = probe_step(first, warm=False)
@@ -141,6 +151,8 @@ def test_only_a_one_layer_fp16_lstm_with_sizes_of_128_runs_the_persistent_kernel
     assert both == workspace("lstm", 1, 200, 64, 512, 2, 512, "fp16", "RTX-3090", directions=2)
     assert abs(both - 2 * workspace("lstm", 1, 200, 64, 512, 2, 512, "fp16", "RTX-3090")) <= 512  # rounded once
     assert both != 2 * workspace("lstm", 1, 200, 64, 512, 2, 512, "fp16", "H100-80GB")
+
+
 def test_the_reserve_rule_holds_for_every_step_measured() -> None:
     rows = json.loads((RESULTS / "rnn_sizes.json").read_text())["rows"]
     # the sweep's "fp16" steps ran without autocast (benchmarks/fit_cudnn_rnn.py): fp32's 4 bytes an element
@@ -151,7 +163,10 @@ def test_the_reserve_rule_holds_for_every_step_measured() -> None:
     found += [(reserve_bytes(r["kind"].lower(), r["layers"], r["steps"], r["batch"], r["hidden"],
                              4 if r["precision"] == "fp32" else 2, 2 if r["bidirectional"] else 1, r["dropout"] > 0),
                r["reserve"]) for r in VARIANTS if not r["proj"]]
-    assert len(found) == 2207 and all(ours == theirs for ours, theirs in found)
+    found += [(reserve_bytes("lstm", r["layers"], r["steps"], r["batch"], r["hidden"],
+                             4 if r["precision"] == "fp32" else 2, proj=r["proj"]), r["reserve"])
+              for r in VARIANTS if r["proj"]]
+    assert len(found) == 2207 + 64 and all(ours == theirs for ours, theirs in found)
 
 
 def test_the_workspace_model_stays_near_the_h100s_sizes() -> None:
@@ -165,6 +180,23 @@ def test_the_workspace_model_stays_near_the_h100s_sizes() -> None:
     assert abs(errors[len(errors) // 2]) < 0.005  # the median
     assert -0.09 < errors[len(errors) // 20] and errors[-len(errors) // 20] < 0.07  # 90 % of them
     assert -0.36 < errors[0] and errors[-1] < 0.21
+    # LSTMs with projections, their own fit (64 steps, hidden 128 and 512, projection 64)
+    errors = sorted(workspace("lstm", r["layers"], r["steps"], r["batch"], r["hidden"], 4 if r["precision"] == "fp32"
+                              else 2, r["inputs"], "fp32" if r["precision"] == "fp32" else "fp16", proj=r["proj"])
+                    / r["workspace"] - 1 for r in VARIANTS if r["proj"])
+    assert len(errors) == 64 and -0.031 < errors[0] and errors[-1] < 0.029
+
+
+def test_an_lstm_with_projections_is_modelled_in_an_estimate() -> None:
+    """Its output in the projection's width (the head takes 32 features): an estimate that runs cuDNN's kernel."""
+    projected = estimate(lambda: Sequence(proj_size=32), batch, batch_size=8, optimizer="sgd", device="H100-80GB")
+    assert RNN_NOTE not in projected.notes and not any("not modelled" in note for note in projected.notes)
+    assert any(note.startswith("cuDNN: 1 LSTM/GRU call per step") for note in projected.notes)
+    plain = estimate(lambda: Sequence(proj_size=32), batch, batch_size=8, optimizer="sgd", device="Mac-16GB")
+    # what cuDNN's reserve (a 2-layer LSTM, 8 x 32 x (2 x (7 x 256 + 32) - 256) x 4 bytes: 3,473,408 B) and workspace
+    # add over PyTorch's kernels: more than 15 MiB, as for the LSTM without projections
+    assert reserve_bytes("lstm", 2, 32, 8, 256, 4, proj=32) == 3_473_408 + 256
+    assert projected.peak - plain.peak > 15 * 2**20
 
 
 class Sequence(nn.Module):
@@ -195,9 +227,10 @@ def test_an_estimate_follows_cudnn_on_an_nvidia_gpu_and_says_so() -> None:
 
 
 def test_what_is_not_modelled_runs_pytorchs_kernels_and_keeps_the_note() -> None:
-    projected = estimate(lambda: Sequence(proj_size=32), batch, batch_size=8, optimizer="sgd")
+    projected = estimate(lambda: Sequence(proj_size=32, bidirectional=True), batch, batch_size=8, optimizer="sgd")
     assert RNN_NOTE in projected.notes
-    assert "cuDNN: not modelled for LSTM projections (proj_size): PyTorch's CPU RNN kernel ran there" in projected.notes
+    assert ("cuDNN: not modelled for LSTM projections (proj_size) with both directions or dropout between layers: "
+            "PyTorch's CPU RNN kernel ran there") in projected.notes
 
     class Mixed(nn.Module):  # a modelled LSTM beside a plain RNN, whose cuDNN kernel is not modelled
         def __init__(self) -> None:

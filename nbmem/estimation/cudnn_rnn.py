@@ -45,14 +45,22 @@ autocast, one and both directions, dropout between layers) showed:
   makes the zeros of gradients autograd left undefined, the input's and the
   initial states' gradients (always: cuDNN's backward-weights needs
   backward-data first) and the weights' gradients as one flat buffer with
-  room for biases (without biases, each weight's gradient is copied out).
+  room for biases (without biases, each weight's gradient is copied out);
+- an LSTM with projections (``proj_size``; ``rnn_variants.json``'s 64 steps,
+  projection 64, hidden 128 and 512, one direction, no dropout) returns its
+  output and last hidden states in the projection's width and keeps the
+  projection's weights in the flat buffers; its reserve has a rule of its own
+  (:func:`reserve_bytes`, exact in all 64) and its workspace a fit of its own
+  (each step within -4.5 .. +4.5 % when left out of it). Every other
+  allocation of the 64 steps is the H100's, byte for byte.
 
 :class:`CudnnRNN` makes an estimate allocate exactly that, on fake tensors
 only: while active, ``lstm`` and ``gru`` on fake CPU tensors in a training
 module run :class:`_CudnnRNNFunction` (no values: an estimate has none). What
 cuDNN runs that was not measured keeps PyTorch's CPU kernels and the note that
-says cuDNN's memory is missing: LSTM projections (measured, not yet fitted),
-``nn.RNN``, evaluation mode, packed sequences, fp64. Tracked runs (real
+says cuDNN's memory is missing: LSTM projections with both directions or
+dropout between layers (not measured), ``nn.RNN``, evaluation mode, packed
+sequences, fp64. Tracked runs (real
 tensors) keep the CPU's kernels too. Not modelled either: ``retain_graph=True``
 (backward then copies the reserve).
 
@@ -74,7 +82,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT
 from ..core.units import format_bytes
-from .cudnn_rnn_fit import PERSISTENT, WORKSPACE
+from .cudnn_rnn_fit import PERSISTENT, PROJECTED, WORKSPACE
 from .kernels import ScopedKernels
 
 __all__ = ["CudnnRNN", "reserve_bytes", "dropout_state_bytes", "workspace", "persistent"]
@@ -93,16 +101,22 @@ _THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 
 
 
 def reserve_bytes(kind: str, layers: int, steps: int, batch: int, hidden: int, itemsize: int, directions: int = 1,
-                  dropout: bool = False) -> int:
+                  dropout: bool = False, proj: int = 0) -> int:
     """cuDNN's reserve for ``kind`` ("lstm", "gru") in training (see the module's docstring): each direction's
     gates and layer outputs, and with dropout between layers a bit mask of each inner layer's output (four bits a
-    bidirectional one).
+    bidirectional one). An LSTM with projections (``proj``, one direction, no dropout) keeps ``7 * hidden + proj``
+    elements a layer less one ``hidden`` (exact in the H100's 64 steps, all with ``proj`` 64: how the term in
+    ``proj`` grows, cuDNN's layout read as a layer's projected output, was not measured).
 
     >>> reserve_bytes("lstm", 2, 128, 64, 1024, 4), reserve_bytes("gru", 2, 32, 8, 256, 2)
     (369099008, 1704192)
     >>> reserve_bytes("lstm", 3, 32, 8, 512, 4, directions=2, dropout=True)  # as the H100's
     17957120
+    >>> reserve_bytes("lstm", 2, 32, 8, 512, 4, proj=64)  # as the H100's
+    6947072
     """
+    if proj:
+        return ((7 * hidden + proj) * layers - hidden) * steps * batch * itemsize + 256
     elements = (_RESERVED[kind] * layers + layers - 1) * steps * batch * hidden
     mask = (layers - 1) * steps * batch * hidden * (4 if directions == 2 else 1) // 8 if dropout else 0
     return directions * elements * itemsize + mask + 256
@@ -164,17 +178,21 @@ def persistent(kind: str, layers: int, hidden: int, inputs: int, batch: int, ste
 
 
 def workspace(kind: str, layers: int, steps: int, batch: int, hidden: int, itemsize: int, inputs: int | None = None,
-              precision: str | None = None, device_label: str | None = None, directions: int = 1) -> int:
+              precision: str | None = None, device_label: str | None = None, directions: int = 1, proj: int = 0) -> int:
     """cuDNN's RNN workspace in bytes, as an H100 (cuDNN 9.19) took it (:mod:`nbmem.estimation.cudnn_rnn_fit`).
 
     ``precision`` is the one cuDNN computes in, "fp32" or "fp16" (autocast's, whatever its dtype; bf16 weights
     without autocast, not measured, take fp16's). The model is fitted for each hidden size measured (32 to 2048);
     between two of them it interpolates, below the smallest it takes the smallest's, above the largest it scales
     the largest's with ``hidden``. An LSTM on cuDNN's persistent kernel (:func:`persistent`) has a fit of its own.
-    Both directions take twice one direction's (128 H100 steps: median -0.2 %, -30 .. +28 %).
+    Both directions take twice one direction's (128 H100 steps: median -0.2 %, -30 .. +28 %). An LSTM with
+    projections (``proj``) has its own fits, at hidden 128 and 512 with ``proj`` 64 (64 steps, each within -4.5 ..
+    +4.5 % when left out of its fit); ``proj`` itself is not in them.
 
     >>> workspace("lstm", 2, 32, 8, 256, 4)  # the H100 took 22,724,928 B
     22576128
+    >>> workspace("lstm", 2, 32, 8, 512, 4, 64, proj=64)  # the H100 took 22,159,680 B
+    22784512
     """
     precision = precision or ("fp32" if itemsize >= 4 else "fp16")
     inputs = inputs if inputs is not None else hidden
@@ -182,12 +200,17 @@ def workspace(kind: str, layers: int, steps: int, batch: int, hidden: int, items
         values = persistent_features(layers, steps, batch, hidden, inputs)
         return int(max(sum(c * v for c, v in zip(PERSISTENT, values)), 0.0)) // 512 * 512
     precision = "fp16" if precision == "bf16" else precision  # bf16's not measured: fp16's stands in
-    sizes = sorted(size for (name, kind_precision, size) in WORKSPACE if name == kind and kind_precision == precision)
+    if proj:
+        table = {size: coefficients for (kind_precision, size), coefficients in PROJECTED.items()
+                 if kind_precision == precision}
+    else:
+        table = {size: coefficients for (name, kind_precision, size), coefficients in WORKSPACE.items()
+                 if name == kind and kind_precision == precision}
+    sizes = sorted(table)
 
     def at(size: int, scale: float = 1.0) -> float:
-        coefficients = WORKSPACE[kind, precision, size]
         values = features(layers, steps, batch, size, inputs * size / hidden)
-        return scale * max(sum(c * v for c, v in zip(coefficients, values)), 0.0)
+        return scale * max(sum(c * v for c, v in zip(table[size], values)), 0.0)
 
     below = [size for size in sizes if size <= hidden]
     above = [size for size in sizes if size >= hidden]
@@ -217,8 +240,8 @@ class _Call:
     #: bias_space: the room for biases a flat buffer has that the weights lack (cuDNN's own buffers have it;
     #: autocast's cast leaves it out). copied: without biases each weight's gradient is copied out of the flat one
     def __init__(self, kind: str, layers: int, directions: int, dropout: bool, cast: bool, bias_space: int,
-                 copied: bool, batch_first: bool, device_label: str | None) -> None:
-        self.kind, self.layers, self.directions, self.dropout = kind, layers, directions, dropout
+                 copied: bool, batch_first: bool, device_label: str | None, proj: int = 0) -> None:
+        self.kind, self.layers, self.directions, self.dropout, self.proj = kind, layers, directions, dropout, proj
         self.cast, self.bias_space, self.copied = cast, bias_space, copied
         self.batch_first, self.device_label = batch_first, device_label
 
@@ -226,7 +249,7 @@ class _Call:
         """Both directions take twice one direction's workspace (128 H100 steps: median -0.2 %, -30 .. +28 %)."""
         steps, batch, inputs = x.shape
         return workspace(self.kind, self.layers, steps, batch, hidden, x.dtype.itemsize, inputs, _PRECISIONS[x.dtype],
-                         self.device_label, self.directions)
+                         self.device_label, self.directions, self.proj)
 
 
 class _CudnnRNNFunction(torch.autograd.Function):
@@ -236,18 +259,18 @@ class _CudnnRNNFunction(torch.autograd.Function):
     def forward(ctx: Any, call: _Call, x: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor | None,
                 *weights: torch.Tensor) -> Any:
         steps, batch, _ = x.shape
-        hidden = hx.size(-1)
+        hidden = (cx if cx is not None else hx).size(-1)  # an LSTM's cell: its hidden size, projected or not
         dtype = x.dtype
         flat = None
         if call.cast:  # the weights cast (or copied) into one flat buffer, kept
             flat = x.new_empty(sum(w.numel() for w in weights) + call.bias_space, dtype=dtype)
         copied = x.contiguous()  # the kernel's (steps, batch) layout: a copy of a batch-first input while it runs
-        output = x.new_empty(steps, batch, call.directions * hidden)
+        output = x.new_empty(steps, batch, call.directions * hx.size(-1))  # the projection's width, if any
         hy = hx.new_empty(hx.shape)
         cy = cx.new_empty(cx.shape) if cx is not None else None
         scratch = x.new_empty(call.workspace(x, hidden), dtype=torch.uint8)
         reserve = x.new_empty(reserve_bytes(call.kind, call.layers, steps, batch, hidden, dtype.itemsize,
-                                            call.directions, call.dropout), dtype=torch.uint8)
+                                            call.directions, call.dropout, call.proj), dtype=torch.uint8)
         del scratch, copied
         ctx.call = call
         ctx.shapes = [(w.shape, w.dtype) for w in weights]
@@ -262,7 +285,7 @@ class _CudnnRNNFunction(torch.autograd.Function):
         if grad_output is None and grad_hy is None and (not grad_cy or grad_cy[0] is None):
             return (None,) * (_WEIGHTS + len(ctx.shapes))  # _cudnn_rnn_backward: nothing to do, nothing made
         x, hx, cx, output, *_ = ctx.saved_tensors  # the reserve and cast weights stay saved until it returns
-        scratch_size = call.workspace(x, hx.size(-1))
+        scratch_size = call.workspace(x, (cx if cx is not None else hx).size(-1))
         transient = []
         if grad_output is None:  # zeros_like the batch-first output, then the kernel's layout's copy of them
             zeros = output.new_zeros(output.transpose(0, 1).shape if call.batch_first else output.shape)
@@ -345,7 +368,7 @@ class CudnnRNN(ScopedKernels):
 
     def _run(self, kind: str, op: Any, input: torch.Tensor, states: list[torch.Tensor], params: list[torch.Tensor],
              has_biases: bool, layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool) -> Any:
-        why = self._unmodelled(kind, input, states, params, has_biases, layers, train, bidirectional)
+        why = self._unmodelled(kind, input, states, params, has_biases, layers, train, bidirectional, dropout)
         if why is not None:
             if isinstance(input, FakeTensor) and why:
                 self.unmodelled[why] = None
@@ -353,7 +376,7 @@ class CudnnRNN(ScopedKernels):
             return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, input, hx, params, has_biases, layers,
                              dropout, train, bidirectional, batch_first)
         self.calls += 1
-        hidden = states[0].size(-1)
+        hidden = states[-1].size(-1)  # an LSTM's cell state: its hidden size, projected or not
         self.small_hidden |= 128 < hidden <= 192
         if dropout and self.dropout_state is None:
             self.dropout_state_size = dropout_state_bytes(self.device_label)
@@ -372,8 +395,9 @@ class CudnnRNN(ScopedKernels):
         directions = 2 if bidirectional else 1
         # cuDNN's own flat buffers have room for biases; autocast's cast flattens without it (include_bias=false)
         bias_space = 0 if has_biases or flattened == "autocast" else layers * directions * 2 * _GATES[kind] * hidden
+        proj = states[0].size(-1) if states[0].size(-1) != hidden else 0
         call = _Call(kind, layers, directions, bool(dropout), flattened is not None, bias_space, not has_biases,
-                     batch_first, self.device_label)
+                     batch_first, self.device_label, proj)
         x = input.transpose(0, 1) if batch_first else input
         cell = states[1] if kind == "lstm" else None
         outputs = _CudnnRNNFunction.apply(call, x, states[0], cell, *params)
@@ -382,15 +406,19 @@ class CudnnRNN(ScopedKernels):
 
     @staticmethod
     def _unmodelled(kind: str, input: torch.Tensor, states: list[torch.Tensor], params: list[torch.Tensor],
-                    has_biases: bool, layers: int, train: bool, bidirectional: bool) -> str | None:
+                    has_biases: bool, layers: int, train: bool, bidirectional: bool, dropout: float) -> str | None:
         """Why cuDNN's memory is not modelled for this call ("" where nothing is to say); None: it is."""
         if not isinstance(input, FakeTensor):
             return ""  # a tracked run's real tensors: PyTorch's kernels compute them
         if not train:
             return "evaluation mode (cuDNN's inference kernel)"
-        per_layer = (4 if has_biases else 2) * (2 if bidirectional else 1)
-        if len(params) != per_layer * layers or states[0].size(-1) * _GATES[kind] != params[0].size(0):
-            return "LSTM projections (proj_size)"
+        projected = kind == "lstm" and states[0].size(-1) != states[-1].size(-1)
+        per_layer = (4 if has_biases else 2) + projected  # and the projection's weight
+        if len(params) != per_layer * layers * (2 if bidirectional else 1):
+            return f"{kind.upper()} weights other than PyTorch's"
+        if projected and (bidirectional or dropout):
+            # measured with one direction and without dropout only
+            return "LSTM projections (proj_size) with both directions or dropout between layers"
         if input.dtype not in _COMPUTED:
             return f"{input.dtype} input"
         if input.dim() != 3:

@@ -47,3 +47,12 @@ WORKSPACE: dict[tuple[str, str, int], tuple[float, ...]] = {
 
 #: an LSTM's persistent kernel (fp16, one layer): coefficients of nbmem.estimation.cudnn_rnn.persistent_features
 PERSISTENT: tuple[float, ...] = (4161049.797, 18965.755, 44.226, 5.384)
+
+#: an LSTM with projections (measured with proj_size 64, one direction, no dropout): (precision,
+#: hidden) -> coefficients of nbmem.estimation.cudnn_rnn.features
+PROJECTED: dict[tuple[str, int], tuple[float, ...]] = {
+    ('fp16', 128): (116692.691, 8538453.61, 2637.543, 1254.299, 436.209, 4.127),
+    ('fp16', 512): (364835.042, 8983582.852, 8438.439, 4955.692, 2002.813, -2.069),
+    ('fp32', 128): (221868.968, 8690017.542, 5220.997, 2496.411, 889.012, 7.342),
+    ('fp32', 512): (697573.813, 9583194.105, 16909.34, 9823.62, 4344.354, -6.801),
+}
