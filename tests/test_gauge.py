@@ -120,7 +120,7 @@ def watched(shell, monkeypatch):
     probe.answered = True
     magics._registered(shell).session.frontend = probe
     monkeypatch.setattr(magics, "CELL_DELAY", 0.0)
-    monkeypatch.setattr(magics, "LINE_DELAY", 0.0)
+    monkeypatch.setattr("nbmem.frontend.session.LINE_DELAY", 0.0)  # %gpumem on's live line
     monkeypatch.setattr("nbmem.frontend.live_gauge.INTERVAL", 0.005)
     shell.user_ns["torch"] = torch
     yield shell

@@ -426,10 +426,10 @@ def test_an_interrupt_at_every_line_of_a_watched_cell_leaves_no_gauge_thread(she
     cell = "y = model(torch.ones(4, 8)).sum()\ny.backward()\nmodel.zero_grad(set_to_none=True)\ny"
     run = lambda: shell.run_cell_magic("gpumem", "", cell)  # noqa: E731
     run()
-    files = (os.path.join(NBMEM, "frontend", "magics.py"), os.path.join(NBMEM, "frontend", "live_gauge.py"))
-    wanted = {"_measure_cell", "_live_gauge", "_stopped", "start", "stop"}
+    files = tuple(os.path.join(NBMEM, "frontend", name) for name in ("magics.py", "session.py", "live_gauge.py"))
+    wanted = {"_measure_cell", "_live_gauge", "stop_gauge", "start", "stop"}
     lines = _lines_run(run, lambda code: code.co_filename in files and code.co_name in wanted)
-    assert any(name == "_stopped" for name, _ in lines) and any(name == "start" for name, _ in lines)
+    assert any(name == "stop_gauge" for name, _ in lines) and any(name == "start" for name, _ in lines)
     for where in lines:
         _interrupt_at_line(where, run)
         assert leftovers(model) == [], f"after an interrupt at {where}"

@@ -1,16 +1,14 @@
-"""The ``%gpumem`` / ``%%gpumem`` magics and the every-cell hooks.
+"""The ``%gpumem`` / ``%%gpumem`` magics, and loading them into a shell.
 
 A thin shell: parse the arguments, run the cell inside a
 :class:`~nbmem.tracking.scope.MemoryScope`, hand the result to :mod:`nbmem.frontend.display`
-and to the session's history.
+and to the session's history. ``%gpumem on`` and the every-cell hooks are
+:mod:`nbmem.frontend.session`'s.
 """
 
 from __future__ import annotations
 
 import ast
-import json
-from dataclasses import dataclass, field
-from types import CodeType
 from typing import Any
 
 from IPython.core.displayhook import DisplayHook
@@ -19,71 +17,22 @@ from IPython.core.magic_arguments import argument, magic_arguments
 
 from ..core import _env
 from . import display
-from .cell_snapshots import records_history, records_pytorch_history, start_history, write_cell_snapshot
-from .cells import _CELL_CALL, _cell_expects_compiled, _compiled, _expects_compiled, _is_nbmem_cell
+from .cell_snapshots import records_pytorch_history
+from .cells import _CELL_CALL, _compiled, _expects_compiled
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..tracking.history import AllocatorHistory
 from ..core.results import History, MemoryResult, first_line
-from ..tracking.scope import Backend, Engine, MemoryScope, resolve_backend
-from .live_gauge import CELL_DELAY, LINE_DELAY, LiveGauge, capacity_of, virtual_label
+from ..tracking.scope import Backend, MemoryScope, resolve_backend
+from .live_gauge import CELL_DELAY, LiveGauge, capacity_of, virtual_label
 from .options import ACTIONS, read_options
+from .session import EveryCell, EveryCellHooks, Session, stop_gauge
 from ..tracking.tracker import default_tracker
 
 __all__ = ["GpuMemMagics", "load", "unload", "history", "log_every_cell", "ACTIONS"]
 
 
-@dataclass
-class _EveryCell:
-    """How ``%gpumem on`` measures each cell."""
-
-    backend: Backend = "auto"
-    device: str | None = None
-    quiet: bool = False
-    capacity: str | None = None
-    live: bool = True  # the compact live line for long cells; `%gpumem on --no-live` turns it off
-    engine: Engine = "auto"
-    lines: bool = False  # `nbmem profile --lines`: each cell's lines (nbmem.tracking.lines)
-    snapshots: str | None = None  # `nbmem profile --snapshot DIR`: each cell written there as exec-N.pickle
-
-
-@dataclass
-class _Session:
-    """nbmem's state for one IPython shell (kept on the magics instance, never global)."""
-
-    history: History = field(default_factory=History)
-    every_cell: _EveryCell | None = None
-    log_path: str | None = None  # `nbmem profile` appends one JSON line per measured cell
-    log_options: _EveryCell = field(default_factory=lambda: _EveryCell(quiet=True))
-    pending: MemoryScope | None = None
-    pending_gauge: LiveGauge | None = None
-    #: measured on CUDA with a snapshot folder: PyTorch's allocator history, recording for the running cell
-    pending_history: AllocatorHistory | None = None
-    #: Whether a frontend is watching live (None outside a kernel, or for `nbmem profile`'s log).
-    frontend: _env.FrontendProbe | None = None
-    #: The running cell's number as its In[n] shows it; IPython has already
-    #: advanced shell.execution_count when the cell runs.
-    cell_number: int | None = None
-    #: A %%gpumem cell and its code, compiled by check_cell for the magic that runs next (see there).
-    compiled: tuple[str, tuple[CodeType, CodeType | None]] | None = None
-
-    def record(self, result: MemoryResult) -> None:
-        self.history.append(result)
-        if self.log_path:
-            with open(self.log_path, "a", encoding="utf-8") as log:
-                log.write(json.dumps(History([result]).to_records()[0]) + "\n")
-
-
-def _stopped(gauge: LiveGauge | None) -> str | None:
-    """Stop a cell's gauge; the display id its report goes in place of, or None (the report shows as usual)."""
-    if gauge is None:
-        return None
-    gauge.stop()
-    view = gauge.show
-    return view.display_id if gauge.usable and isinstance(view, display.GaugeView) else None
-
-
 @magics_class
-class GpuMemMagics(Magics):
+class GpuMemMagics(Magics, EveryCellHooks):
     """Holds the session state; registered once per shell by :func:`load`."""
 
     #: Always the shell it was registered on (IPython's Magics allows None).
@@ -91,7 +40,7 @@ class GpuMemMagics(Magics):
 
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
-        self.session = _Session()
+        self.session = Session()
 
     @magic_arguments()
     @argument(
@@ -277,7 +226,7 @@ class GpuMemMagics(Magics):
         except BaseException as error:
             if scope.running:
                 failed = scope.stop(error)
-                self._report(failed, args, scope, error, in_place=_stopped(gauge), top=top)
+                self._report(failed, args, scope, error, in_place=stop_gauge(gauge), top=top)
             if recorder is not None:
                 recorder.finish(failed=True)  # the failed cell's snapshot (an OOM's is the one to read)
                 if recorder.written and not args.quiet:
@@ -292,7 +241,7 @@ class GpuMemMagics(Magics):
         # the report is then the only sign of the result, so it shows
         silenced = DisplayHook.semicolon_at_end_of_expression(cell)
         try:
-            self._report(result, args, shown_as_out=args.output and not silenced, in_place=_stopped(gauge))
+            self._report(result, args, shown_as_out=args.output and not silenced, in_place=stop_gauge(gauge))
         finally:
             if recorder is not None:
                 recorder.finish()
@@ -379,20 +328,6 @@ class GpuMemMagics(Magics):
 
     # -- line actions -------------------------------------------------------
 
-    def _action_on(self, args: Any) -> None:
-        self.session.every_cell = _EveryCell(
-            args.backend, args.device, args.quiet, args.capacity, live=not args.no_live, engine=args.engine
-        )
-        if not args.quiet:
-            mode, device = resolve_backend(args.backend, args.device)
-            engine = " (native engine)" if args.engine == "native" else ""
-            print(f"gpumem: every cell from now on is {mode} on {device}{engine} (`%gpumem off` stops)")
-
-    def _action_off(self, args: Any) -> None:
-        self.session.every_cell = None
-        if not args.quiet:
-            print("gpumem: stopped measuring every cell; `%gpumem history` shows what was measured")
-
     def _action_history(self, args: Any) -> History | None:
         if args.output:
             return self.session.history
@@ -414,74 +349,6 @@ class GpuMemMagics(Magics):
         self.session.history.clear()
         if not args.quiet:
             print("gpumem: history cleared")
-
-    # -- every cell (IPython events) ---------------------------------------
-
-    def pre_run_cell(self, info: Any) -> None:
-        session = self.session
-        if session.pending is not None:  # a previous post_run_cell never came, or was interrupted
-            if session.pending.running:
-                session.pending.stop()
-            session.pending = None
-        _stopped(session.pending_gauge)
-        session.pending_gauge = None
-        if session.pending_history is not None:
-            session.pending_history.stop()
-            session.pending_history = None
-        stored = getattr(info, "store_history", True)
-        session.cell_number = self.shell.execution_count - 1 if stored else None
-        if session.every_cell is None and session.log_path is None:
-            return
-        raw = getattr(info, "raw_cell", "") or ""
-        if _is_nbmem_cell(raw):
-            return
-        options = session.every_cell or session.log_options
-        history = records_history(options, session.cell_number)  # PyTorch's own record, or nbmem's timeline
-        scope = MemoryScope(
-            options.backend, options.device, label=first_line(raw), execution_count=session.cell_number,
-            capacity=options.capacity, engine=options.engine, lines=options.lines,
-            timeline=options.snapshots is not None and not history,
-            expect_compiled=options.engine == "auto" and _cell_expects_compiled(self.shell, raw),
-        )
-        if history:
-            session.pending_history = start_history(options.snapshots, session.cell_number)  # type: ignore[arg-type]
-        session.pending = scope.start()
-        every = session.every_cell
-        if every is not None and every.live and self._live(every.quiet, False):
-            view = display.GaugeView(compact=True)
-            session.pending_gauge = LiveGauge(
-                scope, view, capacity=capacity_of(scope), capacity_label=virtual_label(scope), delay=LINE_DELAY
-            ).start()
-
-    def post_run_cell(self, result: Any) -> None:
-        session = self.session
-        scope = session.pending  # cleared once stopped: a Ctrl-C on stop()'s entry leaves it to the next cell
-        gauge, session.pending_gauge = session.pending_gauge, None
-        session.cell_number = session.compiled = None
-        if scope is None:
-            _stopped(gauge)
-            return
-        error = None
-        if result is not None:
-            error = result.error_in_exec or result.error_before_exec
-        measured = scope.stop(error)
-        session.pending = None
-        recorder, session.pending_history = session.pending_history, None
-        if recorder is not None:  # before the checks below: a cell that ran `%gpumem off` stops recording too
-            write_cell_snapshot(measured, None, recorder)
-        in_place = _stopped(gauge)  # after the scope: the join is not in the cell's time
-        if session.every_cell is None and session.log_path is None:
-            if in_place is not None:
-                display.clear_gauge(in_place)
-            return  # this cell ran `%gpumem off`
-        session.record(measured)
-        if recorder is None:
-            write_cell_snapshot(measured, (session.every_cell or session.log_options).snapshots, None)
-        if session.every_cell is not None and not session.every_cell.quiet:
-            display.show_line(measured, display_id=in_place)
-            if error is not None and is_out_of_memory(error):  # as %%gpumem diagnoses its cell's
-                display.show_value(diagnose(measured, scope.tracker, self.shell.user_ns, error))
-
 
 def _registered(shell: Any) -> GpuMemMagics | None:
     magics = shell.magics_manager.registry.get(GpuMemMagics.__name__)
@@ -522,7 +389,7 @@ def unload(shell: Any) -> None:
     from ..tracking.reclaim import forget_pending
 
     forget_pending(shell)
-    _stopped(magics.session.pending_gauge)
+    stop_gauge(magics.session.pending_gauge)
     magics.session.pending_gauge = None
     if magics.session.pending_history is not None:
         magics.session.pending_history.stop()
@@ -539,7 +406,7 @@ def unload(shell: Any) -> None:
     del shell.magics_manager.registry[GpuMemMagics.__name__]
 
 
-def _session(shell: Any = None) -> _Session:
+def _session(shell: Any = None) -> Session:
     if shell is None:
         from IPython import get_ipython
 
@@ -616,4 +483,4 @@ def log_every_cell(
     load(shell, probe=False)
     session = _session(shell)
     session.log_path = path
-    session.log_options = _EveryCell(backend, device, quiet=True, lines=lines, snapshots=snapshots)
+    session.log_options = EveryCell(backend, device, quiet=True, lines=lines, snapshots=snapshots)
