@@ -18,6 +18,7 @@ import torch
 
 import nbmem
 from nbmem.core.snapshot import SnapshotError, load_snapshot
+from nbmem.core.units import format_bytes
 
 MiB = 1024**2
 SNAPSHOTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "2026-11-25-gpu"
@@ -281,6 +282,27 @@ def test_an_export_with_an_empty_storage_and_what_it_says_it_is(tmp_path):
     assert result.allocated_after == scope.result.allocated_after
     assert (result.mode, result.device) == ("tracked", "cpu")  # not a GPU's measurement
     assert "which nbmem wrote from a block tracked on cpu" in result.notes[0]
+
+
+def test_a_measured_blocks_export_reads_back_as_what_its_tracker_saw(tmp_path):
+    """A GPU block's timeline is the tracker's beside the measurement: the tensors, not what the allocator gave out
+    beside them (an H100's probe: 573.8 MB measured, 505.6 MB in the file, read back as measured before)."""
+    import dataclasses
+
+    tracked = tracked_step()
+    unseen = 8_519_680  # a cuBLAS workspace's size, say: allocated by the library, no tensor of nbmem's
+    measured = dataclasses.replace(tracked, mode="measured", device="cuda:0",
+                                   peak_allocated=tracked.peak_allocated + unseen)
+    path = tmp_path / "measured.pickle"
+    measured.to_snapshot(str(path))
+    snapshot = load_snapshot(path)
+    back = snapshot.result()
+    assert (back.mode, back.device) == ("tracked", "cuda:0")
+    assert back.peak_allocated == tracked.peak_allocated  # what the file holds: the tensors
+    assert (f"the block's measured peak was {format_bytes(measured.peak_allocated)} allocated (the allocator's); this "
+            f"file holds the tensors nbmem tracked beside it, {format_bytes(tracked.peak_allocated)} at their peak: "
+            f"{format_bytes(unseen)} the allocator gave out beside them") in back.notes[1]
+    assert "(tracked beside a measurement on cuda:0, placed by nbmem's simulation)" in str(snapshot.try_settings(""))
 
 
 @pytest.mark.parametrize("contents", [{"segments": [1], "device_traces": [[]]},

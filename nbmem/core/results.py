@@ -326,7 +326,10 @@ class MemoryResult:
         simulation's, under ``alloc_conf`` (a PYTORCH_ALLOC_CONF string; by
         default this process's environment), the frames your lines (with
         ``lines=True``) and nbmem's categories and modules;
-        ``nbmem.load_snapshot`` reads it back.
+        ``nbmem.load_snapshot`` reads it back. A block measured on a GPU
+        keeps its timeline from the tracker beside the measurement: the file
+        holds the tensors it saw, not what the allocator gave out beside them
+        (library workspaces), and reads back as tracked, saying so.
 
         Example::
 
@@ -344,7 +347,10 @@ class MemoryResult:
         from .snapshot_export import snapshot_of, write_snapshot
 
         settings = resolve_alloc_conf(alloc_conf)
-        source = {"mode": self.mode, "device": self.device, "label": self.label}
+        # the block's own figures: a measured block's are the allocator's, of which its timeline (the tracker beside
+        # the measurement) saw the tensors only; load_snapshot says so
+        source = {"mode": self.mode, "device": self.device, "label": self.label,
+                  "peak_allocated": self.peak_allocated, "allocated_before": self.allocated_before}
         write_snapshot(snapshot_of(events, _device_index(self.device), source, settings), path)
 
     # -- HTML (static, no widgets: renders wherever HTML does) ------------

@@ -220,6 +220,12 @@ def load_snapshot(source: str | os.PathLike[str] | IO[bytes], device: int | None
     return snapshot
 
 
+def _written_as(source: dict[str, Any]) -> str:
+    """What an nbmem-written snapshot's storages are: a measured block's are the tracker's beside the measurement."""
+    mode = str(source.get("mode", "tracked"))
+    return "tracked beside a measurement" if mode == "measured" else mode
+
+
 def _where(frames: list[dict[str, Any]]) -> str:
     """The innermost Python frame outside PyTorch (a snapshot lists C++ frames too, innermost first)."""
     for frame in frames:
@@ -336,6 +342,17 @@ class Snapshot:
             notes = [f"read from {self.name}, which nbmem wrote from a block {mode} on {device}: its storages, placed by "
                      "nbmem's allocator simulation; times are op counts, and what was alive before the block is "
                      "allocated at its start"]
+            if mode == "measured":
+                # the storages are those the tracker beside the measurement saw: tracked figures, not the allocator's
+                mode = "tracked"
+                measured = source.get("peak_allocated")
+                if isinstance(measured, int):
+                    seen = self.peak_allocated
+                    notes.append(
+                        f"the block's measured peak was {format_bytes(measured)} allocated (the allocator's); this file "
+                        f"holds the tensors nbmem tracked beside it, {format_bytes(seen)} at their peak"
+                        + (f": {format_bytes(measured - seen)} the allocator gave out beside them (library "
+                           "workspaces, buffers outside tensors) is not in it" if measured > seen else ""))
         if self.oom is not None:
             notes.append(
                 f"the trace ends in an out-of-memory error: {format_bytes(int(self.oom.get('size', 0)))} asked for with "
@@ -458,7 +475,7 @@ class Snapshot:
                              'snapshot.try_settings("", "expandable_segments:True")')
         replays = [self.replay(text) for text in alloc_confs]
         recorded_as = "measured" if self.source is None else \
-            f"{self.source.get('mode', 'tracked')} on {self.source.get('device', 'cpu')}, placed by nbmem's simulation"
+            f"{_written_as(self.source)} on {self.source.get('device', 'cpu')}, placed by nbmem's simulation"
         return SettingsTable(self.name, self.peak_allocated, self.peak_reserved, str(settings_from_snapshot(self.settings)),
                              tuple(replays), recorded_as)
 

@@ -13,6 +13,7 @@ from torch import nn
 
 import _testdevice
 import nbmem
+from nbmem.core.units import format_bytes
 from nbmem.tracking.accelerators import DeviceCounter, device_counter
 from nbmem.tracking.scope import resolve_backend
 
@@ -191,8 +192,13 @@ def test_a_snapshot_of_a_cell_measured_off_cuda_comes_from_nbmems_timeline(shell
     shell.run_cell("import torch")
     assert shell.run_cell(f"%%gpumem -q --snapshot {path}\nx = torch.empty(1000, device='nbmemdev')").success
     loaded = nbmem.load_snapshot(path)
-    assert nbmem.history(shell)[-1].mode == "measured"
-    assert loaded.result().retained == 4096
+    measured = nbmem.history(shell)[-1]
+    assert measured.mode == "measured"
+    back = loaded.result()
+    assert back.retained == 4096
+    # the file holds the tensors the tracker beside the measurement saw: it reads back as tracked, and says so
+    assert (back.mode, back.device) == ("tracked", "nbmemdev:0")
+    assert back.notes[1].startswith(f"the block's measured peak was {format_bytes(measured.peak_allocated)} allocated")
     shell.run_cell("del x")
 
 
