@@ -5,9 +5,10 @@ recurrent layers (``nn.LSTM``, ``nn.GRU``, ``nn.RNN``) and convolutions run
 cuDNN's instead, which allocate memory of their own through the caching
 allocator: an RNN keeps a reserve buffer for backward and takes workspaces, a
 convolution takes a workspace sized by the algorithm cuDNN picks. Estimates
-for an NVIDIA GPU model cuDNN's LSTM and GRU kernel (nbmem.estimation.cudnn_rnn,
-a layer above this one); tracked runs, convolutions and the RNNs that model
-leaves out run PyTorch's kernels, and their results say so, with what an
+for an NVIDIA GPU model cuDNN's LSTM and GRU kernel and its 2-D convolutions'
+workspaces (nbmem.estimation.cudnn_rnn and cudnn_conv, a layer above this
+one); tracked runs and the layers those leave out run PyTorch's kernels, and
+their results say so, with what an
 H100 measured beyond nbmem's figures (torch 2.11, cuDNN 9.19, 2026-11-25:
 ``benchmarks/results/2026-11-25-gpu/campaign-run4-zoo.json``, replayed by
 ``benchmarks/bench_campaign_replay.py``; ``tests/test_h100_figures.py``
@@ -43,8 +44,9 @@ RNN_NOTE = (
     "Measure it on the GPU before trusting this figure"
 )
 CONV_NOTE = (
-    f"{_CONV}. On an H100 (cuDNN 9.19) a small CNN's fp32 training steps allocated 2.8 MiB more than their estimates "
-    "(12-16 % below the measured peak), and its bf16 steps reserved 20 MiB more"
+    f"{_CONV}. On an H100 (cuDNN 9.19) a small CNN's fp32 training steps allocated 2.8 MiB more than PyTorch's "
+    "kernels' figure (12-16 % below the measured peak), and its bf16 steps reserved 20 MiB more (an estimate for an "
+    "NVIDIA GPU models cuDNN's convolution workspaces where it can: nbmem.estimation.cudnn_conv)"
 )
 _UNMEASURED = "; how much they add has been measured only for training steps so far"
 #: On an AMD GPU (ROCm) PyTorch runs the same layers with MIOpen, which has memory of its own too; nbmem has measured

@@ -83,7 +83,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT
 from ..core.units import format_bytes
 from .cudnn_rnn_fit import PERSISTENT, PROJECTED, WORKSPACE
-from .kernels import ScopedKernels
+from .kernels import ScopedKernels, calls_per_step
 
 __all__ = ["CudnnRNN", "reserve_bytes", "dropout_state_bytes", "workspace", "persistent"]
 
@@ -429,10 +429,8 @@ class CudnnRNN(ScopedKernels):
         """What the estimate assumed about recurrent layers in each of ``steps`` steps."""
         notes = []
         if self.calls:
-            calls = self.calls // steps
             notes.append(
-                f"cuDNN: {calls} LSTM/GRU call{'s' if calls != 1 else ''} per step (recomputed ones and "
-                "micro-batches too) modelled as cuDNN's RNN kernel on an NVIDIA GPU: its reserve buffer kept for "
+                f"cuDNN: {calls_per_step(self.calls, steps, 'LSTM/GRU')} modelled as cuDNN's RNN kernel on an NVIDIA GPU: its reserve buffer kept for "
                 "backward (cuDNN's size, exact in 2,207 H100 steps) and its workspace while it runs (fitted to an "
                 "H100's with cuDNN 9.19; other GPUs and cuDNN versions may take other sizes); under autocast in fp16, "
                 "whatever autocast's dtype, as cuDNN runs it")

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .attention import FusedAttention, set_attention
+from .cudnn_conv import CudnnConv
 from .cudnn_rnn import CudnnRNN
 from .dropout import FusedDropout
 from .kernel_outputs import grouped_mm_notes
@@ -299,6 +300,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     # memory as cuDNN's kernel takes it (on fake tensors), attention's backward workspace
     nvidia = runs_cudnn(label) and not planned
     rnn = CudnnRNN(label) if fake_mode is not None and nvidia else None
+    conv = CudnnConv() if fake_mode is not None and nvidia else None
     planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
@@ -386,7 +388,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else None
             if kernels is not None:
                 follow_cuda(network)
-            for rule in (policy, attention, dropout, rnn, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN, bitsandbytes
+            for rule in (policy, attention, dropout, rnn, conv, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN and convolutions, bitsandbytes
                 if rule is not None:
                     target_rules.enter_context(rule)
             if not planned and (fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM)):  # a tracked torchao optimizer too
@@ -453,6 +455,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes += dropout.notes(steps=steps)
     if rnn is not None:
         notes += rnn.notes(steps=steps)
+    if conv is not None:
+        notes += conv.notes(steps=steps)
     if kernels is not None:
         notes += kernels.notes(steps=steps)
     notes += grouped_mm_notes(fake_mode, steps=steps)
@@ -470,13 +474,15 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     else:
         notes += plan.allocator.simulation_notes()
         modelled = [name for name, taken in (("cuDNN's RNN", rnn is not None and rnn.calls),
+                                             ("cuDNN's convolutions", conv is not None and conv.calls),
                                              ("attention's backward", attention is not None and attention.with_workspace))
                     if taken]
         others = f"cuBLAS's and {' and '.join(modelled)} (noted above)" if modelled else "cuBLAS's"
         notes.append(f"kernel workspaces other than {others} are not included (inductor's plan follows oneDNN's CPU "
                      "kernels)" if planned else f"kernel workspaces other than {others} are not included (CPU oneDNN "
                      "kernels are turned off for the step)")
-        notes += cudnn_notes(network, label, task, rnn_modelled=rnn is not None and bool(rnn.calls) and not rnn.unmodelled)
+        notes += cudnn_notes(network, label, task, rnn_modelled=rnn is not None and bool(rnn.calls) and not rnn.unmodelled,
+                             conv_modelled=conv is not None and bool(conv.calls) and not conv.unmodelled)
     if planning is not None:
         if planning.calls == 0:
             notes.insert(0, UNPLANNED_NOTE)

@@ -25,7 +25,17 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["ScopedKernels"]
+__all__ = ["ScopedKernels", "calls_per_step"]
+
+
+def calls_per_step(calls: int, steps: int, what: str) -> str:
+    """How a kernel rule's note counts its calls: ``what`` calls per step, recomputed ones and micro-batches too.
+
+    >>> calls_per_step(6, 2, "convolution")
+    '3 convolution calls per step (recomputed ones and micro-batches too)'
+    """
+    per_step = calls // steps
+    return f"{per_step} {what} call{'s' if per_step != 1 else ''} per step (recomputed ones and micro-batches too)"
 
 
 class ScopedKernels:

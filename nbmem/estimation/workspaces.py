@@ -122,7 +122,8 @@ def runs_cudnn(device_label: str | None) -> bool:
     return known is None or (known.backend == "cuda" and known.vendor == "NVIDIA")
 
 
-def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train", rnn_modelled: bool = False) -> list[str]:
+def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train", rnn_modelled: bool = False,
+                conv_modelled: bool = False) -> list[str]:
     """What cuDNN's kernels hold beyond an estimate of ``model`` for the GPU ``device_label`` names (none: not NVIDIA).
 
     An estimate runs PyTorch's own kernels on fake tensors; on an NVIDIA GPU
@@ -142,8 +143,9 @@ def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train",
     known = PRESETS.get(device_label or "")
     if known is not None and known.backend != "cuda":
         return []
-    # rnn_modelled: cuDNN's kernel was modelled for every LSTM/GRU call (nbmem.estimation.cudnn_rnn); nn.RNN's is not
-    modelled = (nn.LSTM, nn.GRU) if rnn_modelled else ()
+    # rnn_modelled: cuDNN's kernel was modelled for every LSTM/GRU call (nbmem.estimation.cudnn_rnn); nn.RNN's is not;
+    # conv_modelled: cuDNN's workspaces for every convolution (nbmem.estimation.cudnn_conv)
+    modelled = ((nn.LSTM, nn.GRU) if rnn_modelled else ()) + ((nn.modules.conv._ConvNd,) if conv_modelled else ())
     kinds = (kind for module in model.modules()
              if (kind := cudnn_kind(module)) is not None and not isinstance(module, modelled))
     return notes_for(kinds, task == "train",
