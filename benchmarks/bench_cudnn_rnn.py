@@ -11,10 +11,6 @@ without CUDA only the estimates run (to check the script).
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -26,6 +22,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nbmem.estimation.estimate import estimate  # noqa: E402
+
+from _beside import main, measured_beside  # noqa: E402
 
 #: kind, input size, hidden, layers, batch, steps, precision, optimizer[, the layer's options]
 GRID = [
@@ -77,39 +75,9 @@ def row(kind: str, inputs: int, hidden: int, layers: int, batch: int, steps: int
                modelled=any(note.startswith("cuDNN: ") and "modelled as" in note for note in estimated.notes),
                seconds=round(time.perf_counter() - started, 2))
     if measure:
-        estimate(build, make, mode="measured", **knobs)  # warm: cuDNN's plans, cuBLAS's workspace
-        measured = estimate(build, make, mode="measured", **knobs)
-        out.update(measured=measured.peak, measured_reserved=measured.reserved,
-                   error=round(estimated.peak / measured.peak - 1, 4),
-                   reserved_error=round(estimated.reserved / measured.reserved - 1, 4) if measured.reserved else None)
+        out.update(measured_beside(build, make, knobs, estimated))
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args(argv)
-    measure = torch.cuda.is_available()
-    result: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.node(), "python": platform.python_version(), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if measure else None,
-        "device": torch.cuda.get_device_name() if measure else "none (estimates only)", "rows": []}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for point in GRID:
-        try:
-            found = row(*point, measure=measure)
-        except Exception as error:  # noqa: BLE001 - one configuration's failure is recorded, the rest run
-            found = {"config": list(point), "error": f"{type(error).__name__}: {error}"[:300]}
-        result["rows"].append(found)
-        print(json.dumps(found), flush=True)
-        (out / "cudnn_rnn.json").write_text(json.dumps(result, indent=1))
-    errors = [abs(r["error"]) for r in result["rows"] if isinstance(r.get("error"), float)]
-    if errors:
-        print(f"allocated: median {sorted(errors)[len(errors) // 2]:.2%}, worst {max(errors):.2%} of {len(errors)}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(GRID, row, "cudnn_rnn.json", __doc__))

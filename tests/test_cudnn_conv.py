@@ -157,3 +157,89 @@ def test_real_tensors_and_inference() -> None:
     assert conv.calls == 0 and max(made.sizes) == 2 * 8 * 16 * 16 * 4
     served = estimate(Convolutional, batch, batch_size=16, task="inference", device="H100-80GB")
     assert any(note.startswith("cuDNN: 2 convolution calls per step") for note in served.notes)
+
+
+def test_a_double_backward_keeps_its_graph() -> None:
+    """The backward kernel sits below autograd's own, which records the node a gradient penalty differentiates."""
+    import torch.nn.functional as F
+
+    with FakeTensorMode(), CudnnConv() as conv:
+        x = torch.randn(8, 64, 32, 32, requires_grad=True)
+        w = torch.randn(64, 64, 3, 3, requires_grad=True)
+        (grad,) = torch.autograd.grad(F.conv2d(x, w, padding=1).pow(2).sum(), x, create_graph=True)
+        assert grad.grad_fn is not None
+        grad.pow(2).sum().backward()
+        assert w.grad is not None and w.grad.shape == w.shape
+    assert conv.calls == 1
+
+
+def test_inference_takes_the_compute_dtypes_workspace_and_keeps_the_note_for_layers_it_cant_see() -> None:
+    class Mixed(nn.Module):  # a 2-D convolution, and a transposed one whose kernel is not modelled
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.up = nn.Conv2d(64, 64, 3, padding=1), nn.ConvTranspose2d(64, 8, 2, stride=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.up(self.conv(x))
+
+    def make(n: int) -> torch.Tensor:
+        return torch.randn(n, 64, 32, 32)
+
+    for device in ("H100-80GB", "Arc-A770-16GB"):
+        result = estimate(Mixed, make, batch_size=8, task="inference", precision="bf16", device=device)
+        # the inference note for a layer not modelled (no H100 figures: those are a training step's)
+        assert (device == "H100-80GB") == any(note.startswith("cuDNN: on an NVIDIA GPU, convolutions take")
+                                              for note in result.notes)
+    # under autocast the hook sees the module's fp32 input: the workspace is the bf16 kernel's all the same
+    x = 8 * 64 * 32 * 32 * 2
+    forward = workspaces(64, 64, 9, 1, x=x, y=x, w=64 * 64 * 9 * 2, work=8 * 32 * 32 * 64 * 64 * 9, rows=8 * 32 * 32,
+                         fp32=False)[0]
+    assert forward == 2 * x + 73728 + 256
+    with FakeTensorMode(), CudnnConv() as conv:
+        model = Mixed()
+        with torch.inference_mode(), torch.autocast("cpu", torch.bfloat16), Allocations() as made:
+            model(make(8))
+    assert conv.calls == 1 and forward in made.sizes and 2 * forward - 256 not in made.sizes  # not fp32's
+    assert conv.unmodelled == {}  # the transposed layer's backward would say so; inference has none
+
+
+def test_an_output_selective_checkpointing_kept_takes_no_workspace_on_recompute() -> None:
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *[nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())
+                                                                for _ in range(4)], nn.Flatten(), nn.Linear(16 * 64, 10))
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 8, 8), torch.randint(0, 10, (n,))
+
+    def calls(**knobs: object) -> str:
+        result = estimate(build, make, batch_size=4, checkpointing=True, device="H100-80GB", **knobs)
+        return next(note.split(" convolution calls")[0] for note in result.notes if " convolution calls" in note)
+
+    assert calls() == "cuDNN: 9"  # 5 convolutions, and the 4 blocks' again on recompute
+    assert calls(checkpoint_saves=[torch.ops.aten.convolution.default]) == "cuDNN: 5"
+
+
+def test_ctrl_c_while_entering_leaves_no_hook() -> None:
+    from torch.nn.modules import module
+
+    class Interrupted(CudnnConv):
+        def register(self, library: torch.library.Library) -> None:
+            super().register(library)
+            raise KeyboardInterrupt  # after the hook was added, before __enter__ returns
+
+    before = len(module._global_forward_hooks)
+    with pytest.raises(KeyboardInterrupt):
+        with Interrupted():
+            pass
+    assert len(module._global_forward_hooks) == before
+    with CudnnConv() as conv:  # and the next one enters as usual
+        assert conv.registered
+
+
+def test_the_gpu_benchmark_of_whole_cnns_runs_its_estimates_here(tmp_path) -> None:
+    """benchmarks/bench_cudnn_conv.py (run by gpu_session.sh): without CUDA its estimates alone, with cuDNN's
+    workspaces (an H100's) above the Intel GPU's, which takes none."""
+    with benchmark("bench_cudnn_conv") as bench:
+        found = bench.row("campaign CNN", 8, "fp32", "adamw", measure=False)
+        assert found["calls"] == "4" and found["estimate"] > found["without_cudnn"]
+        assert "measured" not in found

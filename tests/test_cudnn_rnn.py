@@ -335,3 +335,14 @@ def test_a_step_that_uses_only_the_last_state_makes_cudnns_zeros_for_the_output(
             last.sum().backward()
     assert backward.sizes.count(8 * 32 * 128 * 4) == 2
     assert backward.sizes.count(8 * 32 * 64 * 4) == 3  # the input's gradient and its two copies in cuDNN's layout
+
+
+def test_a_projected_lstm_never_takes_the_persistent_kernels_fit() -> None:
+    """PyTorch's get_algo takes the standard algorithm for any projection: the projections' own fit, even where a
+    plain LSTM of those sizes runs the persistent kernel."""
+    from nbmem.estimation.cudnn_rnn import persistent
+
+    assert persistent("lstm", 1, 512, 128, 32, 128, "fp16", 1, "H100-80GB")
+    projected = workspace("lstm", 1, 128, 32, 512, 2, 128, "fp16", "H100-80GB", 1, proj=64)
+    assert projected == workspace("lstm", 1, 128, 32, 512, 2, 128, "fp16", "RTX-3090", 1, proj=64)  # no persistence
+    assert projected != workspace("lstm", 1, 128, 32, 512, 2, 128, "fp16", "H100-80GB", 1)

@@ -15,10 +15,10 @@ and autocast) showed three regimes:
   backward-data), for 3 input channels and for small layers;
 - **copies of the tensors the kernel touches**: the input, the output and the
   weight in the compute dtype (``x + y + w``; ``x + y`` for a 1x1 kernel at
-  stride 2), plus under 512 bytes: so in 958 of the 1,444 forward calls with
-  a kernel larger than 1, 988 of their backward-data calls, and 913 of their
-  backward-filter calls (514 of those with a split reduction's fp32 partial
-  sums beside it);
+  stride 2), plus under 512 bytes: exactly so in 957 of the 1,444 forward
+  calls with a kernel larger than 1, 987 of their backward-data calls and 363
+  of their backward-filter calls (more of which take a split reduction's fp32
+  partial sums beside the copies);
 - for a 1x1 kernel at stride 1, backward-filter's partial sums alone: ``m``
   copies of the weight in fp32, ``m`` one of 1, 4, 16, 32 or 64;
 - and a few larger ones with no formula found (FFT-like, fp32 kernels of 5 or
@@ -38,7 +38,10 @@ high in 3.6 % (1.7 % more than 25 % high).
 active, ``conv2d`` on fake CPU tensors takes the forward workspace right after
 its output, and ``convolution_backward`` computes the input's gradient, takes
 backward-data's workspace, then the weight's and bias's gradients and
-backward-filter's, each freed at once; under ``torch.inference_mode()``, where
+backward-filter's, then the bias's gradient, each workspace freed at once
+(registered below autograd's own kernel, which still records a double
+backward's node); an output selective checkpointing kept, returned again on
+recompute, takes none; under ``torch.inference_mode()``, where
 no autograd kernel runs, an ``nn.Conv2d``'s forward hook takes the forward's (a
 functional ``F.conv2d`` call there takes none). Not modelled (PyTorch's kernels, and a
 note): grouped (depthwise) and dilated convolutions, strides other than 1 and
@@ -53,6 +56,7 @@ GPUs or cuDNN versions were not measured: the same sizes stand in.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -120,6 +124,8 @@ class CudnnConv(ScopedKernels):
     def __init__(self) -> None:
         super().__init__()
         self._hook: Any = None
+        #: the storages of the outputs a workspace was taken for, weakly (see _forward)
+        self._outputs: dict[int, weakref.ref[Any]] = {}
         self.calls = 0
         #: why a convolution on fake tensors was left without workspaces (each reason once)
         self.unmodelled: dict[str, None] = {}
@@ -127,15 +133,19 @@ class CudnnConv(ScopedKernels):
     def register(self, library: torch.library.Library) -> None:
         library.impl("conv2d", self._conv2d, "AutogradCPU")
         library.impl("conv2d.padding", self._conv2d_padding, "AutogradCPU")
-        library.impl("convolution_backward", self._backward, "AutogradCPU")
+        # below autograd's own kernel, which still records the node a double backward (create_graph=True) needs
+        library.impl("convolution_backward", self._backward, "ADInplaceOrView")
         # under torch.inference_mode() no autograd kernel runs: a convolution module's forward hook takes it there
         self._hook = torch.nn.modules.module.register_module_forward_hook(self._inference_forward)
 
-    def __exit__(self, *exc_info: object) -> None:
+    def _release(self) -> None:
+        # here, not in __exit__: a Ctrl-C after register() and before __enter__ returns releases too
         try:
-            self._hook.remove()
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
         finally:
-            super().__exit__(*exc_info)
+            super()._release()
 
     def _inference_forward(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         if isinstance(module, torch.nn.Conv2d) and torch.is_inference_mode_enabled() and args:
@@ -157,29 +167,36 @@ class CudnnConv(ScopedKernels):
     def _forward(self, input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, stride: Any, dilation: Any,
                  groups: int) -> None:
         sizes = self._sizes(input, weight, out, stride, dilation, groups, False)
-        if sizes is not None:
-            self.calls += 1
-            _transient(out, sizes[0])
+        if sizes is None:
+            return
+        storage = out.untyped_storage()
+        seen = self._outputs.get(storage._cdata)
+        if seen is not None and seen() is storage:
+            return  # an output selective checkpointing kept returned again on recompute: no kernel ran
+        if len(self._outputs) > 4096:  # the dead go now and then
+            self._outputs = {key: ref for key, ref in self._outputs.items() if ref() is not None}
+        self._outputs[storage._cdata] = weakref.ref(storage)  # weakly: nbmem keeps no tensor alive
+        self.calls += 1
+        _transient(out, sizes[0])
 
     def _backward(self, grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias_sizes: Any,
                   stride: Any, padding: Any, dilation: Any, transposed: bool, output_padding: Any, groups: int,
                   mask: list[bool]) -> Any:
         args = (bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
         sizes = self._sizes(input, weight, grad_output, stride, dilation, groups, transposed)
-        with torch._C._AutoDispatchBelowAutograd():
+        with torch._C._AutoDispatchBelowADInplaceOrView():
             if sizes is None:
                 return _BACKWARD(grad_output, input, weight, *args, mask)
-            # as cuDNN runs them: backward-data, its workspace; then backward-filter (and the bias's sum), its own
-            grad_input = None
-            if mask[0]:
-                grad_input = _BACKWARD(grad_output, input, weight, *args, [True, False, False])[0]
-                _transient(grad_output, sizes[1])
-            grad_weight = grad_bias = None
-            if mask[1] or mask[2]:
-                _, grad_weight, grad_bias = _BACKWARD(grad_output, input, weight, *args, [False, mask[1], mask[2]])
-                if mask[1]:
-                    _transient(grad_output, sizes[2])
-        return grad_input, grad_weight, grad_bias
+            # as PyTorch runs them on CUDA: backward-data and its workspace, backward-filter and its own, then the
+            # bias's gradient (a sum, after cuDNN's calls)
+            found: list[torch.Tensor | None] = [None, None, None]
+            for index, workspace in ((0, sizes[1]), (1, sizes[2]), (2, 0)):
+                if mask[index]:
+                    only = [False, False, False]
+                    only[index] = True
+                    found[index] = _BACKWARD(grad_output, input, weight, *args, only)[index]
+                    _transient(grad_output, workspace)
+        return tuple(found)
 
     def _sizes(self, input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, stride: Any, dilation: Any,
                groups: int, transposed: bool) -> tuple[int, int, int] | None:
@@ -195,15 +212,18 @@ class CudnnConv(ScopedKernels):
             why = "grouped (depthwise) convolutions"
         elif any(d != 1 for d in dilation):
             why = "dilated convolutions"
-        elif len(set(stride)) != 1 or stride[0] not in (1, 2):
-            why = "strides other than 1 and 2"
-        elif input.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            why = f"{input.dtype} convolutions"
+        elif len(set(stride)) != 1:
+            why = "unequal strides"
+        elif stride[0] not in (1, 2):
+            why = "strides above 2"
+        elif out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why = f"{out.dtype} convolutions"
         if why is not None:
             self.unmodelled[why] = None
             return None
         out_channels, in_channels, kh, kw = weight.shape
-        itemsize = input.element_size()
+        # the compute dtype's: the output's (an inference hook sees the module's input before autocast casts it)
+        itemsize = out.element_size()
         rows = out.numel() // out_channels
         return workspaces(in_channels, out_channels, kh * kw, stride[0], x=input.numel() * itemsize,
                           y=out.numel() * itemsize, w=weight.numel() * itemsize,

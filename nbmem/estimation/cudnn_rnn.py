@@ -196,7 +196,9 @@ def workspace(kind: str, layers: int, steps: int, batch: int, hidden: int, items
     """
     precision = precision or ("fp32" if itemsize >= 4 else "fp16")
     inputs = inputs if inputs is not None else hidden
-    if kind == "lstm" and persistent(kind, layers, hidden, inputs, batch, steps, precision, directions, device_label):
+    # PyTorch's get_algo takes the standard algorithm for any projection
+    if kind == "lstm" and not proj and persistent(kind, layers, hidden, inputs, batch, steps, precision, directions,
+                                                  device_label):
         values = persistent_features(layers, steps, batch, hidden, inputs)
         return int(max(sum(c * v for c, v in zip(PERSISTENT, values)), 0.0)) // 512 * 512
     precision = "fp16" if precision == "bf16" else precision  # bf16's not measured: fp16's stands in
@@ -416,8 +418,8 @@ class CudnnRNN(ScopedKernels):
         per_layer = (4 if has_biases else 2) + projected  # and the projection's weight
         if len(params) != per_layer * layers * (2 if bidirectional else 1):
             return f"{kind.upper()} weights other than PyTorch's"
-        if projected and (bidirectional or dropout):
-            # measured with one direction and without dropout only
+        if projected and (bidirectional or (dropout and layers > 1)):
+            # measured with one direction and without dropout between layers only (one layer has none between)
             return "LSTM projections (proj_size) with both directions or dropout between layers"
         if input.dtype not in _COMPUTED:
             return f"{input.dtype} input"

@@ -144,8 +144,9 @@ def cudnn_notes(model: nn.Module, device_label: str | None, task: str = "train",
     if known is not None and known.backend != "cuda":
         return []
     # rnn_modelled: cuDNN's kernel was modelled for every LSTM/GRU call (nbmem.estimation.cudnn_rnn); nn.RNN's is not;
-    # conv_modelled: cuDNN's workspaces for every convolution (nbmem.estimation.cudnn_conv)
-    modelled = ((nn.LSTM, nn.GRU) if rnn_modelled else ()) + ((nn.modules.conv._ConvNd,) if conv_modelled else ())
+    # conv_modelled: cuDNN's workspaces for every convolution seen (nbmem.estimation.cudnn_conv), which models 2-D
+    # ones only: a transposed, 1-D or 3-D layer keeps the note, seen or not (an inference pass reports none)
+    modelled = ((nn.LSTM, nn.GRU) if rnn_modelled else ()) + ((nn.Conv2d,) if conv_modelled else ())
     kinds = (kind for module in model.modules()
              if (kind := cudnn_kind(module)) is not None and not isinstance(module, modelled))
     return notes_for(kinds, task == "train",
