@@ -14,7 +14,7 @@ from _zoo import ZOO, gpt2, llama, padded_batch
 from nbmem.core.units import round_allocation
 from nbmem.estimation.estimate import estimate
 from nbmem.estimation.finetune import head_of
-from test_zoo import need, need_zoo
+from test_zoo import need_zoo
 
 
 def mlp() -> nn.Module:

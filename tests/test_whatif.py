@@ -117,6 +117,28 @@ def test_max_batch_size_verifies_its_prediction_with_real_trials():
     assert found.batch_size <= found.predicted
 
 
+def test_max_batch_size_says_what_its_tracked_trials_leave_out_of_an_nvidia_gpus_kernels():
+    """The estimates take cuDNN's convolution workspaces for an NVIDIA GPU (or none named); tracked trials on this
+    CPU run PyTorch's kernels, which take none: the answer says so. A preset of another vendor's GPU is used as
+    itself (it was passed on as a bare capacity: an Intel GPU's estimates followed NVIDIA's kernels)."""
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+                             nn.Flatten(), nn.Linear(16 * 16 * 16, 10))
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(n, 3, 16, 16), torch.randint(0, 10, (n,))
+
+    nvidia = nbmem.max_batch_size(build, make, device="32MiB", optimizer="sgd", progress=False)
+    assert nvidia.kernels_not_tracked is not None and nvidia.predicted is not None
+    assert nvidia.predicted < nvidia.batch_size  # the workspaces the trials did not take
+    assert (f"note: the estimates took cuDNN's memory for the convolution layers, as an NVIDIA GPU runs them, which "
+            f"the tracked trials on this CPU (PyTorch's kernels) don't: on that GPU the largest batch may be smaller "
+            f"than {nvidia.batch_size}, nearer the estimates' {nvidia.predicted}") in str(nvidia)
+    intel = nbmem.max_batch_size(build, make, device="Arc-A770-16GB", optimizer="sgd", limit=16, progress=False)
+    assert intel.kernels_not_tracked is None and intel.capacity_label == "Arc-A770-16GB"
+
+
 def test_max_batch_size_when_nothing_fits():
     found = nbmem.max_batch_size(classify_build, classify_make, device="64KiB")
     assert found.batch_size == 0 and dict(found.trials)[1] is None

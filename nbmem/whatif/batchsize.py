@@ -37,6 +37,9 @@ class BatchSizeResult:
     world_size: int = 1
     step: str = BUILT_IN  # which training step ran (Estimate.step)
     interrupted: bool = False  # Ctrl-C stopped the search: batch_size is what the real trials established so far
+    #: the estimates took cuDNN's memory (an RNN's reserve and workspace, convolutions' workspaces) that tracked trials
+    #: on a CPU, which run PyTorch's kernels, don't: what the answer leaves out for an NVIDIA GPU (None: nothing)
+    kernels_not_tracked: str | None = None
 
     @property
     def real_trials(self) -> int:
@@ -98,7 +101,8 @@ class BatchSizeResult:
             f"estimates; verified with {self.real_trials} real"
             f" {self.mode} trials{': ' + tried if tried else ''})\n"
             f"  step: {self.step}\n"
-            "  for a larger effective batch, search again with accumulation=N: gradients stay alive across "
+            + (f"  note: {self.kernels_not_tracked}\n" if self.kernels_not_tracked else "")
+            + "  for a larger effective batch, search again with accumulation=N: gradients stay alive across "
             "micro-batches, so the largest micro-batch is smaller than the largest single batch"
         )
 
@@ -263,12 +267,13 @@ def max_batch_size(
     # one plan, checked once; each estimate and trial varies its batch size (a search starts at 1)
     plan = Plan(batch_size=1, precision=precision, checkpointing=checkpointing, optimizer=optimizer, loss=loss,
                 foreach=foreach, accumulation=accumulation, parallel=parallel, world_size=world_size, step=step,
-                trainable=trainable, device=capacity, alloc_conf=alloc_conf, block=block,
+                trainable=trainable, device=device, alloc_conf=alloc_conf, block=block,
                 checkpoint_saves=checkpoint_saves, zero_grad=zero_grad, hold_output=hold_output,
                 optimizer_in_backward=optimizer_in_backward, mp_policy=mp_policy, cpu_offload=cpu_offload,
                 compile=compile, attention=attention,
                 quantization=quantization)
     estimates = 0
+    cudnn: set[str] = set()  # what the estimates modelled of cuDNN's kernels (their notes' "N ... calls per step")
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 
     def estimated(size: int) -> Estimate:
@@ -276,6 +281,8 @@ def max_batch_size(
         estimates += 1
         shown.begin(f"batch_size={size}")
         result = estimate_plan(model, batch, plan.varied(batch_size=size))
+        cudnn.update(kind for kind in ("LSTM/GRU", "convolution") for note in result.notes
+                     if note.startswith("cuDNN: ") and f" {kind} call" in note)
         shown.done(f"{'fits' if result.fits else 'no fit'}, peak {format_bytes(result.peak)} allocated, estimated")
         return result
 
@@ -321,8 +328,14 @@ def max_batch_size(
             if not shown.first_interrupt(error):
                 raise
             found = max((size for size, peak in trials if peak is not None), default=0)
+    untracked = None
+    if verify == "tracked" and cudnn:
+        kinds = " and ".join(sorted(cudnn))
+        untracked = (f"the estimates took cuDNN's memory for the {kinds} layers, as an NVIDIA GPU runs them, which the "
+                     "tracked trials on this CPU (PyTorch's kernels) don't: on that GPU the largest batch may be "
+                     f"smaller than {found}, nearer the estimates' {predicted}")
     result = BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
-                             parallel, world_size, step_label(step), shown.interrupted)
+                             parallel, world_size, step_label(step), shown.interrupted, untracked)
     if result.interrupted:
         print(f"nbmem.max_batch_size: interrupted (Ctrl-C); it returns what was established: {result.answer}",
               file=sys.stderr)
