@@ -457,6 +457,9 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes += rnn.notes(steps=steps)
     if conv is not None:
         notes += conv.notes(steps=steps)
+    # what a tracked run on a CPU leaves out (max_batch_size says so of its trials)
+    cudnn_layers = tuple(kind for kind, calls in (("LSTM/GRU", rnn.calls if rnn is not None else 0),
+                                                  ("convolution", conv.calls if conv is not None else 0)) if calls)
     if kernels is not None:
         notes += kernels.notes(steps=steps)
     notes += grouped_mm_notes(fake_mode, steps=steps)
@@ -526,5 +529,6 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         kv_cache_per_token=cache.per_token if task == "generate" else None,
         managed=managed.bytes if managed is not None else None,
         host=host[0] + host[1] if host is not None else None,
+        cudnn_layers=cudnn_layers,
         timeline=whole.result.timeline if timeline and whole.result is not None else None,
     )

@@ -273,7 +273,7 @@ def max_batch_size(
                 compile=compile, attention=attention,
                 quantization=quantization)
     estimates = 0
-    cudnn: set[str] = set()  # what the estimates modelled of cuDNN's kernels (their notes' "N ... calls per step")
+    cudnn: set[str] = set()  # the layers whose cuDNN memory the estimates took (Estimate.cudnn_layers)
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 
     def estimated(size: int) -> Estimate:
@@ -281,8 +281,7 @@ def max_batch_size(
         estimates += 1
         shown.begin(f"batch_size={size}")
         result = estimate_plan(model, batch, plan.varied(batch_size=size))
-        cudnn.update(kind for kind in ("LSTM/GRU", "convolution") for note in result.notes
-                     if note.startswith("cuDNN: ") and f" {kind} call" in note)
+        cudnn.update(result.cudnn_layers)
         shown.done(f"{'fits' if result.fits else 'no fit'}, peak {format_bytes(result.peak)} allocated, estimated")
         return result
 
