@@ -5,8 +5,8 @@
 #
 #   run: bash benchmarks/gpu_session.sh        carry: [".whl"]   timeout_s: 560
 #
-# Writes under $OUT (at most 8 files come back): misses/misses.json, conv/cudnn_conv.json, probes/probes.json (+ its
-# snapshot pickles), pytest-cuda.log, session.log.
+# Writes under $OUT (at most 8 files come back): misses/misses.json, conv/cudnn_conv.json, reductions/reductions.json,
+# probes/probes.json (+ its snapshot pickles), pytest-cuda.log, session.log.
 set -uo pipefail
 OUT=${OUT:?run it through the device tool, which sets OUT}
 
@@ -17,9 +17,11 @@ steps() {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version())"
   # 1. issue 24: the allocator's history where estimates still miss, and cuDNN's RNN/convolution sizes
-  timeout 200 python3 benchmarks/gpu_probes_misses.py --out "$OUT/misses" --budget 170
+  timeout 170 python3 benchmarks/gpu_probes_misses.py --out "$OUT/misses" --budget 140
   # 1b. issue 24: whole CNNs measured beside their estimates (cuDNN's convolution workspaces, fitted on one layer)
   timeout 90 python3 benchmarks/bench_cudnn_conv.py --out "$OUT/conv"
+  # 1c. issue 24: split reductions' staging buffers beyond 1,024 rows, other widths, dtypes and families
+  timeout 45 python3 benchmarks/gpu_probe_reductions.py --out "$OUT/reductions" --budget 30
   # 2. issues 23, 26, 27: nbmem's CUDA tests (measured mode, magics, snapshots, compiled steps); the whole log kept.
   # Only the files that hold them, as gpu_campaign.py runs them: collecting every test file would import libraries
   # the device lacks (playwright, lightning...), and pytest runs nothing after a collection error

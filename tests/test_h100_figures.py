@@ -89,6 +89,25 @@ def test_counting_blocks_and_one_byte_dropout_masks_as_the_gpu_does_brings_all_2
     assert statistics.median(reserved) <= 0.01
 
 
+def test_cuda_reductions_staging_buffers_bring_berts_reserved_to_the_h100s(replayed: list[dict[str, Any]]) -> None:
+    """A bias's gradient on CUDA is a reduction split across thread blocks, which takes a staging buffer
+    (nbmem/estimation/cuda_reductions.py): BERT's bf16 AdamW step reserved 20 MiB (7.5 %) less than the H100's
+    before, as its 8 MiB ones made the allocator reserve one more segment; now the H100's to the byte. Of the 21
+    steps where PyTorch's kernels run, one reserved figure is left more than 3 % off: a GPT-2 step's, 7.5 % low,
+    which the same step's allocator history (misses.json, another process) reserved as the estimate does."""
+    plain = [row for row in replayed if row["model"] not in CUDNN]
+    reserved = {(row["model"], row["precision"], row["checkpointing"], row["optimizer"]):
+                round(_error(row["today_reserved"], row["measured_reserved"]), 4) for row in plain}
+    assert reserved["bert (4 layers, 256)", "bf16", False, "adamw"] == 0
+    assert {key: error for key, error in reserved.items() if abs(error) > 0.03} == {
+        ("gpt2 (6 layers, 512)", "bf16", True, "sgd-momentum"): -0.0755}
+    history = json.loads((CAMPAIGN.parent.parent / "2026-11-27-gpu" / "misses.json").read_text())["items"]
+    again = history["trace.gpt2 (6 layers, 512).bf16.True.sgd-momentum"]["value"]["reserved"]
+    (gpt2,) = [row for row in plain if (row["model"], row["precision"], row["checkpointing"], row["optimizer"]) ==
+               ("gpt2 (6 layers, 512)", "bf16", True, "sgd-momentum")]
+    assert abs(gpt2["today_reserved"] - again) <= 512 and gpt2["measured_reserved"] - gpt2["today_reserved"] == 32 * MiB
+
+
 def test_adamws_steps_on_plain_layers_are_the_h100s_to_the_byte(replayed: list[dict[str, Any]]) -> None:
     """The MLP's and the transformer encoder's AdamW steps: what the H100's allocator allocated, to the byte.
 
@@ -114,7 +133,9 @@ def test_where_cudnn_runs_the_estimate_says_so_with_the_measured_gap(replayed: l
                for row in lstm)
     errors = [_error(row["today"], row["measured"]) for row in lstm]
     assert -0.005 <= min(errors) and max(errors) <= 0.025, errors
-    assert max(_error(row["today_reserved"], row["measured_reserved"]) for row in lstm) <= 0.09
+    # reserved the H100's to the byte since the weights lie in one flat buffer, as CUDA puts them (CudnnRNN.flatten:
+    # the reserve fits in the rest of its segment); separate weights made 2-4 MiB (4.2-8.3 %) more
+    assert [row["today_reserved"] - row["measured_reserved"] for row in lstm] == [0] * 7
     # a CNN's estimate takes cuDNN's convolution workspaces (nbmem/estimation/cudnn_conv.py, 2026-11-27): its bf16
     # steps within 1.5 % of the H100's, where they were 1.2-1.7 % low, its fp32 one 11.5 % low, where it was 15.3 %;
     # reserved equal to the H100's in all three, where the bf16 steps' were 20 MiB (62-67 %) low

@@ -119,9 +119,9 @@ def test_03_max_batch_size_is_verified_on_both_sides(nb03: nbformat.NotebookNode
 def test_03_accumulation_plans(nb03: nbformat.NotebookNode) -> None:
     plans = _text(_cell(nb03, "EFFECTIVE = 8192"))
     lines = [line for line in plans.splitlines() if line.startswith("8192 = ")]
-    assert len(lines) == 4, plans
+    assert len(lines) == 5, plans
     assert "does NOT fit" in lines[0]  # the whole effective batch at once
-    assert "(fits)" in lines[-1]  # 8 micro-batches of 1024
+    assert "(fits)" in lines[-1] and "(does NOT fit)" in lines[-2]  # 16 micro-batches of 512; 8 of 1024 not
     peaks = [_bytes(*re.search(r"peak\s+([0-9.]+) (\w+)", line).groups()) for line in lines]
     assert peaks == sorted(peaks, reverse=True)  # more micro-batches, lower peak
 
@@ -130,9 +130,9 @@ def test_03_tracked_run_confirms_the_estimate(nb03: nbformat.NotebookNode) -> No
     report = _text(_cell(nb03, "%%gpumem --breakdown --capacity {cap}"))
     assert "tracked on cpu" in report and "virtual" in report and "FAILED" not in report
     compared = _text(_cell(nb03, "measured = nbmem.history()[-1]  # the MemoryResult of the %%gpumem cell"))
-    estimated = int(re.search(r"estimated peak \(8 x 1024\):\s+([0-9,]+) bytes", compared).group(1).replace(",", ""))
+    estimated = int(re.search(r"estimated peak \(16 x 512\):\s+([0-9,]+) bytes", compared).group(1).replace(",", ""))
     tracked = int(re.search(r"tracked, in use at the peak:\s+([0-9,]+) bytes", compared).group(1).replace(",", ""))
-    assert abs(tracked - estimated) <= 0.01 * estimated, compared
+    assert tracked == estimated, compared  # the markdown says: byte for byte
 
 
 # -- 04: precision and checkpointing ----------------------------------------------------
@@ -166,7 +166,10 @@ def test_04_autocast_note_and_timed_steps(nb04: nbformat.NotebookNode) -> None:
         match = re.search(
             rf"checkpointing {mode}:\s+[0-9.]+ s per step, peak ([0-9.]+ \w+) in use \(estimated ([0-9.]+ \w+)\)", timed
         )
-        assert match and match.group(1) == match.group(2), timed  # the real step peaks where the estimate said
+        # the real step (PyTorch's CPU kernels) peaks within 2 % below the estimate, which holds CUDA's reductions'
+        # staging buffers too (the markdown says so)
+        assert match and _bytes(*match.group(1).split()) <= _bytes(*match.group(2).split()), timed
+        assert _bytes(*match.group(2).split()) <= 1.02 * _bytes(*match.group(1).split()), timed
     ratio = re.search(r"checkpointing: ([0-9.]+) x the memory, ([0-9.]+) x the time", timed)
     assert ratio and float(ratio.group(1)) < 0.7, timed  # the time ratio is printed, not asserted: CPU timing is noisy
 

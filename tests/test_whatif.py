@@ -132,9 +132,9 @@ def test_max_batch_size_says_what_its_tracked_trials_leave_out_of_an_nvidia_gpus
     nvidia = nbmem.max_batch_size(build, make, device="32MiB", optimizer="sgd", progress=False)
     assert nvidia.kernels_not_tracked is not None and nvidia.predicted is not None
     assert nvidia.predicted < nvidia.batch_size  # the workspaces the trials did not take
-    assert (f"note: the estimates took cuDNN's memory for the convolution layers, as an NVIDIA GPU runs them, which "
-            f"the tracked trials on this CPU (PyTorch's kernels) don't: on that GPU the largest batch may be smaller "
-            f"than {nvidia.batch_size}, nearer the estimates' {nvidia.predicted}") in str(nvidia)
+    assert (f"note: the estimates took the memory cuDNN's convolutions take on an NVIDIA GPU, which the tracked trials "
+            f"on this CPU (PyTorch's CPU kernels) don't: on that GPU the largest batch may be smaller than "
+            f"{nvidia.batch_size}, nearer the estimates' {nvidia.predicted}") in str(nvidia)
     intel = nbmem.max_batch_size(build, make, device="Arc-A770-16GB", optimizer="sgd", limit=16, progress=False)
     assert intel.kernels_not_tracked is None and intel.capacity_label == "Arc-A770-16GB"
 

@@ -36,7 +36,7 @@ from typing import Literal
 
 from nbmem.core.units import format_bytes, parse_bytes
 
-__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity", "COMPUTE_CAPABILITY", "SM_COUNT"]
+__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity", "COMPUTE_CAPABILITY", "SM_COUNT", "threads_per_sm"]
 
 _GIB = 2**30
 _MIB = 2**20
@@ -429,3 +429,16 @@ SM_COUNT = MappingProxyType({
     "RTX-4090": 128, "RTX-5090": 170, "RTX-A6000": 84, "L40S": 142, "A100-40GB": 108, "A100-80GB": 108,
     "H100-80GB": 132, "H200": 132,
 })
+
+#: resident threads per SM where it is not 2,048 (CUDA's occupancy tables: Turing 1,024; Ampere's GA10x, Ada and
+#: consumer Blackwell 1,536)
+_THREADS_PER_SM = MappingProxyType({(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 0): 1536})
+
+
+def threads_per_sm(device_label: str) -> int:
+    """Resident threads per SM of the NVIDIA GPU preset ``device_label`` (what kernels' launch rules size grids by).
+
+    >>> threads_per_sm("H100-80GB"), threads_per_sm("RTX-4090"), threads_per_sm("T4")
+    (2048, 1536, 1024)
+    """
+    return _THREADS_PER_SM.get(COMPUTE_CAPABILITY[device_label], 2048)

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .cuda_reductions import CudaReductions
 from .kernels import ScopedKernels, calls_per_step
 
 __all__ = ["CudnnConv", "workspaces"]
@@ -121,8 +122,10 @@ class CudnnConv(ScopedKernels):
     """While active, 2-D convolutions on fake tensors take cuDNN's workspaces as an NVIDIA GPU's (the module's
     docstring); ``calls`` counts the modelled forward calls, ``unmodelled`` says why others were not."""
 
-    def __init__(self) -> None:
+    def __init__(self, reductions: CudaReductions | None = None) -> None:
         super().__init__()
+        #: where the bias's gradient (a sum over all but the channels, after cuDNN's calls) takes its staging buffer
+        self.reductions = reductions
         self._hook: Any = None
         #: the storages of the outputs a workspace was taken for, weakly (see _forward)
         self._outputs: dict[int, weakref.ref[Any]] = {}
@@ -185,17 +188,21 @@ class CudnnConv(ScopedKernels):
         args = (bias_sizes, stride, padding, dilation, transposed, output_padding, groups)
         sizes = self._sizes(input, weight, grad_output, stride, dilation, groups, transposed)
         with torch._C._AutoDispatchBelowADInplaceOrView():
-            if sizes is None:
-                return _BACKWARD(grad_output, input, weight, *args, mask)
-            # as PyTorch runs them on CUDA: backward-data and its workspace, backward-filter and its own, then the
-            # bias's gradient (a sum, after cuDNN's calls)
             found: list[torch.Tensor | None] = [None, None, None]
-            for index, workspace in ((0, sizes[1]), (1, sizes[2]), (2, 0)):
-                if mask[index]:
-                    only = [False, False, False]
-                    only[index] = True
-                    found[index] = _BACKWARD(grad_output, input, weight, *args, only)[index]
-                    _transient(grad_output, workspace)
+            if sizes is None:
+                found = list(_BACKWARD(grad_output, input, weight, *args, mask))
+            else:
+                # as PyTorch runs them on CUDA: backward-data and its workspace, backward-filter and its own, then
+                # the bias's gradient (a sum, after cuDNN's calls)
+                for index, workspace in ((0, sizes[1]), (1, sizes[2]), (2, 0)):
+                    if mask[index]:
+                        only = [False, False, False]
+                        only[index] = True
+                        found[index] = _BACKWARD(grad_output, input, weight, *args, only)[index]
+                        _transient(grad_output, workspace)
+            if found[2] is not None and self.reductions is not None and isinstance(grad_output, FakeTensor):
+                # the bias's gradient sums every dimension but the channels (Convolution.cpp), whatever the layer
+                self.reductions.stage(grad_output, (0, *range(2, grad_output.dim())), "sum", found[2])
         return tuple(found)
 
     def _sizes(self, input: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, stride: Any, dilation: Any,

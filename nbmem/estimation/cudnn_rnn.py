@@ -80,7 +80,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT
+from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT, threads_per_sm
 from ..core.units import format_bytes
 from .cudnn_rnn_fit import PERSISTENT, PROJECTED, WORKSPACE
 from .kernels import ScopedKernels, calls_per_step
@@ -95,9 +95,6 @@ _GATES = {"lstm": 4, "gru": 3}
 #: what the reserve keeps per layer, in (steps x batch x hidden) elements (measured: 2,207 H100 steps)
 _RESERVED = {"lstm": 5, "gru": 6}
 _COMPUTED = (torch.float32, torch.bfloat16, torch.float16)
-#: resident threads per SM where it is not 2,048 (CUDA's occupancy tables: Turing 1,024; Ampere's GA10x, Ada and
-#: consumer Blackwell 1,536)
-_THREADS_PER_SM = {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536, (12, 0): 1536}
 
 
 def reserve_bytes(kind: str, layers: int, steps: int, batch: int, hidden: int, itemsize: int, directions: int = 1,
@@ -138,8 +135,7 @@ def dropout_state_bytes(device_label: str | None) -> int:
     (6488064, 983040, 6488064)
     """
     label = _measured_or_h100(device_label)
-    threads = _THREADS_PER_SM.get(COMPUTE_CAPABILITY[label], 2048)
-    return SM_COUNT[label] * threads * 24
+    return SM_COUNT[label] * threads_per_sm(label) * 24
 
 
 def features(layers: int, steps: int, batch: int, hidden: int, inputs: float) -> tuple[float, ...]:
@@ -355,6 +351,39 @@ class CudnnRNN(ScopedKernels):
         library.impl("gru.input", self._gru, "AutogradCPU")
         library.impl("lstm.data", functools.partial(self._packed, _LSTM_PACKED), "AutogradCPU")
         library.impl("gru.data", functools.partial(self._packed, _GRU_PACKED), "AutogradCPU")
+
+    @staticmethod
+    def flatten(model: torch.nn.Module) -> int:
+        """Put each recurrent layer's weights into one flat buffer, as ``nn.RNNBase.flatten_parameters`` does on CUDA
+        (when the layer is made or moved there): the buffer made, the weights made views of it and their own storages
+        freed. Only where PyTorch does it: fake weights of one dtype cuDNN takes (not bf16), none shared. The buffer
+        has room for biases where the layer has none, as cuDNN's own. The layers flattened.
+
+        The memory is the same as the weights' own; where it lies is not: an LSTM's flat buffer of a few MiB takes a
+        large segment whose rest the reserve then fits in (an H100, 2026-11-27: 4 MiB less reserved than separate
+        weights gave).
+        """
+        flattened = 0
+        for module in model.modules():
+            weights = getattr(module, "_flat_weights", None)
+            if not isinstance(module, torch.nn.RNNBase) or not weights or not all(
+                    isinstance(weight, FakeTensor) and weight.dtype == weights[0].dtype for weight in weights):
+                continue
+            if weights[0].dtype not in (torch.float32, torch.float16, torch.float64) or len(
+                    {weight.untyped_storage()._cdata for weight in weights}) != len(weights):
+                continue  # cudnn.is_acceptable takes no bf16; aliased weights take PyTorch's copying path
+            directions = 2 if module.bidirectional else 1
+            room = 0 if module.bias else (module.num_layers * directions * 2 * _GATES.get(module.mode.lower(), 1)
+                                          * module.hidden_size)
+            with torch.no_grad():
+                flat = weights[0].new_empty(sum(weight.numel() for weight in weights) + room)
+                offset = 0
+                for weight in weights:
+                    weight.set_(flat[offset:offset + weight.numel()].view(weight.shape))
+                    offset += weight.numel()
+            del flat
+            flattened += 1
+        return flattened
 
     def _lstm(self, input: torch.Tensor, hx: list[torch.Tensor], params: list[torch.Tensor], *rest: Any) -> Any:
         return self._run("lstm", _LSTM, input, list(hx), params, *rest)

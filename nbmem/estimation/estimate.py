@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .attention import FusedAttention, set_attention
+from .cuda_reductions import CudaReductions
 from .cudnn_conv import CudnnConv
 from .cudnn_rnn import CudnnRNN
 from .dropout import FusedDropout
@@ -300,7 +301,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     # memory as cuDNN's kernel takes it (on fake tensors), attention's backward workspace
     nvidia = runs_cudnn(label) and not planned
     rnn = CudnnRNN(label) if fake_mode is not None and nvidia else None
-    conv = CudnnConv() if fake_mode is not None and nvidia else None
+    # CUDA's split reductions' staging buffers (a bias's gradient, for one; a convolution's bias's too), in a tracked
+    # run as well (a CPU buffer of that size, never touched), as dropout's one-byte mask: exact, and what its trials
+    # must hold to agree with the estimates
+    reductions = CudaReductions(label) if mode != "measured" and nvidia else None
+    conv = CudnnConv(reductions) if fake_mode is not None and nvidia else None
     planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
@@ -334,6 +339,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
                              "at once); name the block with block=")
             chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes, block=plan.block,
                                                        saves=plan.checkpoint_saves)
+            if rnn is not None:  # as CUDA puts a recurrent layer's weights into one buffer (fp16 weights' too)
+                rnn.flatten(network)
             if (precision.endswith("-weights") or plan.quantized is not None) and feed is not None:
                 # a real loader puts the weights on the GPU in their own dtype (or quantized): the fp32 build and
                 # its cast, which only nbmem's copy of the model went through, never reach its allocator (issue 24)
@@ -388,7 +395,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else None
             if kernels is not None:
                 follow_cuda(network)
-            for rule in (policy, attention, dropout, rnn, conv, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN and convolutions, bitsandbytes
+            for rule in (policy, attention, dropout, rnn, conv, reductions, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN and convolutions, reductions, bitsandbytes
                 if rule is not None:
                     target_rules.enter_context(rule)
             if not planned and (fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM)):  # a tracked torchao optimizer too
@@ -457,9 +464,11 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         notes += rnn.notes(steps=steps)
     if conv is not None:
         notes += conv.notes(steps=steps)
+    if reductions is not None:
+        notes += reductions.notes(steps=steps)
     # what a tracked run on a CPU leaves out (max_batch_size says so of its trials)
-    cudnn_layers = tuple(kind for kind, calls in (("LSTM/GRU", rnn.calls if rnn is not None else 0),
-                                                  ("convolution", conv.calls if conv is not None else 0)) if calls)
+    cuda_kernels = tuple(kind for kind, rule in (("cuDNN's LSTM/GRU", rnn), ("cuDNN's convolutions", conv))
+                         if rule is not None and rule.calls)
     if kernels is not None:
         notes += kernels.notes(steps=steps)
     notes += grouped_mm_notes(fake_mode, steps=steps)
@@ -529,6 +538,6 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         kv_cache_per_token=cache.per_token if task == "generate" else None,
         managed=managed.bytes if managed is not None else None,
         host=host[0] + host[1] if host is not None else None,
-        cudnn_layers=cudnn_layers,
+        cuda_kernels=cuda_kernels,
         timeline=whole.result.timeline if timeline and whole.result is not None else None,
     )

@@ -106,9 +106,10 @@ class Estimate:
     #: What FSDP's CPU offload keeps in this rank's host memory between steps (parameter shards and optimizer state;
     #: nbmem.estimation.parallel.host_figures); None: nothing offloaded.
     host: int | None = None
-    #: The layers whose cuDNN memory the estimate took as an NVIDIA GPU's kernels do ("LSTM/GRU", "convolution"):
-    #: what a tracked run on a CPU, which runs PyTorch's kernels, leaves out.
-    cudnn_layers: tuple[str, ...] = ()
+    #: The NVIDIA GPU kernels whose own memory the estimate took and its tracked runs can't ("cuDNN's LSTM/GRU",
+    #: "cuDNN's convolutions"): a tracked run on a CPU runs PyTorch's CPU kernels there. (CUDA's split reductions'
+    #: buffers, exact, a tracked run of an estimate takes too.)
+    cuda_kernels: tuple[str, ...] = ()
 
     def to_snapshot(self, path: str) -> None:
         """Write the estimated run as a PyTorch memory snapshot (pytorch.org/memory_viz, ``nbmem.load_snapshot``).

@@ -37,8 +37,9 @@ class BatchSizeResult:
     world_size: int = 1
     step: str = BUILT_IN  # which training step ran (Estimate.step)
     interrupted: bool = False  # Ctrl-C stopped the search: batch_size is what the real trials established so far
-    #: the estimates took cuDNN's memory (an RNN's reserve and workspace, convolutions' workspaces) that tracked trials
-    #: on a CPU, which run PyTorch's kernels, don't: what the answer leaves out for an NVIDIA GPU (None: nothing)
+    #: the estimates took memory cuDNN's kernels take (an RNN's reserve and workspace, convolutions' workspaces) that
+    #: tracked trials on a CPU, which run PyTorch's CPU kernels, don't: what the answer leaves out for an NVIDIA GPU
+    #: (None: nothing)
     kernels_not_tracked: str | None = None
 
     @property
@@ -273,7 +274,7 @@ def max_batch_size(
                 compile=compile, attention=attention,
                 quantization=quantization)
     estimates = 0
-    cudnn: set[str] = set()  # the layers whose cuDNN memory the estimates took (Estimate.cudnn_layers)
+    kernels: set[str] = set()  # the NVIDIA kernels whose own memory the estimates took (Estimate.cuda_kernels)
     shown = Progress(f"gpumem max_batch_size on {label}, verified {verify}", None, unit="estimate", enabled=progress)
 
     def estimated(size: int) -> Estimate:
@@ -281,7 +282,7 @@ def max_batch_size(
         estimates += 1
         shown.begin(f"batch_size={size}")
         result = estimate_plan(model, batch, plan.varied(batch_size=size))
-        cudnn.update(result.cudnn_layers)
+        kernels.update(result.cuda_kernels)
         shown.done(f"{'fits' if result.fits else 'no fit'}, peak {format_bytes(result.peak)} allocated, estimated")
         return result
 
@@ -328,11 +329,15 @@ def max_batch_size(
                 raise
             found = max((size for size, peak in trials if peak is not None), default=0)
     untracked = None
-    if verify == "tracked" and cudnn:
-        kinds = " and ".join(sorted(cudnn))
-        untracked = (f"the estimates took cuDNN's memory for the {kinds} layers, as an NVIDIA GPU runs them, which the "
-                     "tracked trials on this CPU (PyTorch's kernels) don't: on that GPU the largest batch may be "
-                     f"smaller than {found}, nearer the estimates' {predicted}")
+    if verify == "tracked" and kernels:
+        named = sorted(kernels)
+        kinds = ", ".join(named[:-1]) + (" and " if len(named) > 1 else "") + named[-1]
+        if predicted is not None and predicted < found:
+            where = f"smaller than {found}, nearer the estimates' {predicted}"
+        else:
+            where = f"other than {found}" + (f" (the estimates': {predicted})" if predicted is not None else "")
+        untracked = (f"the estimates took the memory {kinds} take on an NVIDIA GPU, which the tracked trials on this "
+                     f"CPU (PyTorch's CPU kernels) don't: on that GPU the largest batch may be {where}")
     result = BatchSizeResult(found, predicted, capacity, label, verify, tuple(trials), estimates, limit, accumulation,
                              parallel, world_size, step_label(step), shown.interrupted, untracked)
     if result.interrupted:
