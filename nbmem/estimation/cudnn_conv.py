@@ -200,8 +200,12 @@ class CudnnConv(ScopedKernels):
                         only[index] = True
                         found[index] = _BACKWARD(grad_output, input, weight, *args, only)[index]
                         _transient(grad_output, workspace)
-            if found[2] is not None and self.reductions is not None and isinstance(grad_output, FakeTensor):
-                # the bias's gradient sums every dimension but the channels (Convolution.cpp), whatever the layer
+            depthwise_3d = weight.dim() == 5 and groups > 1 and groups == input.size(1)
+            if found[2] is not None and self.reductions is not None and isinstance(grad_output, FakeTensor) and (
+                    not depthwise_3d):
+                # the bias's gradient: convolution_backward sums the incoming gradient, as it comes, over every
+                # dimension but the channels (Convolution.cpp), for every backend but those computing it themselves
+                # (CUDA's 3-D depthwise kernel, MIOpen's, MPS's)
                 self.reductions.stage(grad_output, (0, *range(2, grad_output.dim())), "sum", found[2])
         return tuple(found)
 
