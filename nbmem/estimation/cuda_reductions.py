@@ -53,8 +53,8 @@ _MIN_VALUES_PER_THREAD = 16
 _MAX_VALUES_PER_THREAD = 256
 #: a reduction's input elements a thread loads at once (vt0; input_vec_size follows it): 2 for Welford's
 _VT0 = {"welford": 2}
-
-
+#: the reductions' families, by what their partial results are: float sums (sum, mean, norms), Welford's
+#: (var, std), the input's own type (amax, amin)
 _FAMILIES = ("sum", "welford", "extreme")
 
 
