@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -60,7 +61,7 @@ def predicted(case: Case, dtype: torch.dtype, gpu: str) -> tuple[int, int]:
     from nbmem.estimation.cuda_reductions import staging_bytes
 
     _, family, _, _, shape, strides, dims = case
-    strides = strides or torch.empty(shape, device="meta").stride()
+    strides = strides or make_contiguous_strides_for(shape)
     return staging_bytes(shape, strides, dims, dtype, family, gpu)
 
 

@@ -36,7 +36,8 @@ from typing import Literal
 
 from nbmem.core.units import format_bytes, parse_bytes
 
-__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity", "COMPUTE_CAPABILITY", "SM_COUNT", "threads_per_sm"]
+__all__ = ["DevicePreset", "PRESETS", "preset", "parse_capacity", "COMPUTE_CAPABILITY", "SM_COUNT", "threads_per_sm",
+           "gpu_or_h100"]
 
 _GIB = 2**30
 _MIB = 2**20
@@ -442,3 +443,13 @@ def threads_per_sm(device_label: str) -> int:
     (2048, 1536, 1024)
     """
     return _THREADS_PER_SM.get(COMPUTE_CAPABILITY[device_label], 2048)
+
+
+def gpu_or_h100(device_label: str | None) -> str:
+    """The preset whose SM count and compute capability stand for the GPU ``device_label`` names: its own where
+    nbmem knows them, the H100's (where nbmem's CUDA figures were measured) for none or an unknown one.
+
+    >>> gpu_or_h100("T4"), gpu_or_h100(None), gpu_or_h100("Mac-16GB")
+    ('T4', 'H100-80GB', 'H100-80GB')
+    """
+    return device_label if device_label is not None and device_label in SM_COUNT else "H100-80GB"

@@ -39,9 +39,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._prims_common import make_contiguous_strides_for
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..core.devices import SM_COUNT, threads_per_sm
+from ..core.devices import SM_COUNT, gpu_or_h100, threads_per_sm
 from .kernels import ScopedKernels
 
 __all__ = ["CudaReductions", "staging_bytes"]
@@ -147,17 +148,13 @@ def staging_bytes(shape: Sequence[int], strides: Sequence[int], dims: Sequence[i
     """
     if op not in _FAMILIES:
         raise ValueError(f"op must be one of {', '.join(_FAMILIES)} (a reduction's family), got {op!r}")
-    numel = 1
-    for size in shape:
-        numel *= size
+    numel = math.prod(shape)
     if numel == 0:
         return 0, 0
     in_bytes = dtype.itemsize
     sizes, in_strides, reduce_dims = _layout(shape, strides, dims, in_bytes, (out_dtype or dtype).itemsize)
     ndim = len(sizes)
-    outputs = 1
-    for size in sizes[reduce_dims:]:
-        outputs *= size
+    outputs = math.prod(sizes[reduce_dims:])
     per_output = numel // outputs
     vt0 = _VT0.get(op, 4)
     if ndim > 0:
@@ -221,14 +218,6 @@ def _stand_in(tensor: Any) -> bool:
     """Whether ``tensor`` stands in for a CUDA one: a fake tensor (an estimate) or a CPU one (a tracked run)."""
     return (isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided
             and (isinstance(tensor, FakeTensor) or tensor.device.type == "cpu"))
-
-
-def _contiguous(shape: Sequence[int]) -> list[int]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= size
-    return strides[::-1]
 
 
 def _dims(dim: Any, ndim: int) -> list[int]:
@@ -308,7 +297,7 @@ class CudaReductions(ScopedKernels):
 
     def __init__(self, device_label: str | None = None) -> None:
         super().__init__()
-        self.device_label: str = device_label if device_label is not None and device_label in SM_COUNT else "H100-80GB"
+        self.device_label = gpu_or_h100(device_label)
         self.calls = 0
         #: while above 0, reductions take nothing: a kernel of CUDA's own computes them (rms_norm's fused backward)
         self._unstaged = 0
@@ -350,7 +339,7 @@ class CudaReductions(ScopedKernels):
         if shape is None:
             shape, strides, offset = source.shape, source.stride(), int(source.storage_offset())
         else:
-            strides, offset = _contiguous(shape), 0
+            strides, offset = make_contiguous_strides_for(tuple(shape)), 0
         if math.prod(shape) * source.element_size() > 2**31 - 1:
             return  # past 32-bit byte offsets CUDA splits it into parts, each its own launch: not modelled
         staging, semaphores = staging_bytes(shape, strides, _dims(dim, len(shape)), source.dtype, family,

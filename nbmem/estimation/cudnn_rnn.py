@@ -80,7 +80,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT, threads_per_sm
+from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT, gpu_or_h100, threads_per_sm
 from ..core.units import format_bytes
 from .cudnn_rnn_fit import PERSISTENT, PROJECTED, WORKSPACE
 from .kernels import ScopedKernels, calls_per_step
@@ -119,12 +119,6 @@ def reserve_bytes(kind: str, layers: int, steps: int, batch: int, hidden: int, i
     return directions * elements * itemsize + mask + 256
 
 
-def _measured_or_h100(device_label: str | None) -> str:
-    """The preset whose SM count and compute capability stand for the GPU ``device_label`` names: its own where
-    nbmem knows them, the H100's (where every figure here was measured) for none or an unknown one."""
-    return device_label if device_label is not None and device_label in SM_COUNT else "H100-80GB"
-
-
 def dropout_state_bytes(device_label: str | None) -> int:
     """cuDNN's dropout state on the GPU ``device_label`` names (the H100's where none is): 24 bytes a thread the
     GPU can keep resident, as an H100 took it (132 SMs x 2,048 threads: 6,488,064 B). cuDNN does not say how it
@@ -134,7 +128,7 @@ def dropout_state_bytes(device_label: str | None) -> int:
     >>> dropout_state_bytes("H100-80GB"), dropout_state_bytes("T4"), dropout_state_bytes(None)
     (6488064, 983040, 6488064)
     """
-    label = _measured_or_h100(device_label)
+    label = gpu_or_h100(device_label)
     return SM_COUNT[label] * threads_per_sm(label) * 24
 
 
@@ -165,7 +159,7 @@ def persistent(kind: str, layers: int, hidden: int, inputs: int, batch: int, ste
         return False
     if hidden <= 128:  # use_rnn_persist_small_h comes first: its kernel, forward and backward, up to 128
         return False
-    label = _measured_or_h100(device_label)
+    label = gpu_or_h100(device_label)
     major, minor = COMPUTE_CAPABILITY[label]
     if major == 7:
         return minor != 5 and ((batch % 16 == 0 and batch not in (80, 112)) or batch == 8) and (
