@@ -10,10 +10,13 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nbmem.estimation.attention import FusedAttention, backward_workspace
 from nbmem.estimation.estimate import estimate
 from nbmem.tracking.scope import track
+
+from _allocations import Allocations
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-27-gpu/misses-first.json"
 ROWS = [row for row in json.loads(RESULTS.read_text())["items"]["attention"]["value"]["rows"]
@@ -34,13 +37,14 @@ def test_the_workspace_is_the_h100s_in_every_fused_call_measured() -> None:
 
 
 def test_backward_holds_the_workspace_beside_the_gradients() -> None:
-    """Tracked on the CPU: the backward's peak grows by the workspace (8,224 B, one 8,704 B block), held while the
-    inputs' gradients are made (autograd.grad: no .grad accumulated after the kernel), and nothing stays after it."""
+    """Tracked on the CPU, bf16 (cuDNN's attention on an H100): the backward's peak grows by the workspace (8,960 B,
+    one 9,216 B block), held while the inputs' gradients are made (autograd.grad: no .grad accumulated after the
+    kernel), and nothing stays after it."""
     def peaks(workspaces: bool) -> tuple[int, int]:
         torch.manual_seed(0)
-        query, key, value = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+        query, key, value = (torch.randn(1, 2, 64, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         with FusedAttention() as attention:
-            attention.workspaces = workspaces
+            attention.nvidia = workspaces
             output = nn.functional.scaled_dot_product_attention(query, key, value)
             with track("cpu") as backward:
                 grads = torch.autograd.grad(output.sum(), (query, key, value))
@@ -50,8 +54,78 @@ def test_backward_holds_the_workspace_beside_the_gradients() -> None:
         return backward.result.peak_allocated, backward.result.allocated_after
 
     (plain, plain_after), (held, held_after) = peaks(False), peaks(True)
-    assert backward_workspace(torch.empty(1, 2, 64, 16), torch.empty(1, 2, 64, 16)) == 8224
-    assert held - plain == 8704 and held_after == plain_after
+    query = torch.empty(1, 2, 64, 16, dtype=torch.bfloat16)
+    assert backward_workspace(query, query) == 8960
+    assert held - plain == 9216 and held_after == plain_after
+
+
+def _encoders_attention_backward(nvidia: bool, grad_layout: tuple[int, ...]) -> list[int]:
+    """The storages the transformer encoder's attention backward makes on fake tensors (8 x 4 heads x 64 tokens x
+    64: 524,288 B an output), its query laid out as nn.MultiheadAttention's (sequence, batch, heads, head size)."""
+    with FakeTensorMode(), FusedAttention() as attention:
+        attention.nvidia = nvidia
+        query, key, value = (torch.randn(64, 8, 4, 64).permute(1, 2, 0, 3).requires_grad_() for _ in range(3))
+        output = nn.functional.scaled_dot_product_attention(query, key, value)
+        grad = torch.randn([(8, 4, 64, 64)[axis] for axis in grad_layout]).permute(
+            *[grad_layout.index(axis) for axis in range(4)])
+        with Allocations() as backward:
+            torch.autograd.grad(output, (query, key, value), grad)
+    return backward.sizes
+
+
+def test_fp32_backward_takes_what_cudas_memory_efficient_backward_takes_in_its_order() -> None:
+    """fp32 attention runs on CUDA's memory-efficient kernel, whose backward (``_efficient_attention_backward``)
+    copies the output's gradient where it is not contiguous as (batch, sequence, heads, head size), makes the three
+    gradients, then a float32 row statistic in ATen (a product the size of the output, its sum, the sum's copy) and
+    the kernel's workspace. The H100 allocated exactly these, in this order, in each of the transformer encoder's
+    four layers' backward in both steps measured (its fp32 checkpointed step's history, misses.json), where the estimate made the three
+    gradients only, the workspace taken before them."""
+    output, row, workspace = 524288, 8 * 4 * 64 * 4, 524800
+    assert backward_workspace(torch.empty(8, 4, 64, 64), torch.empty(8, 4, 64, 64)) == workspace
+    sequence_major, as_query = (0, 2, 1, 3), (2, 0, 1, 3)  # the gradient MultiheadAttention gives: as its query
+    cuda = [output, *[output] * 3, output, row, row, workspace]
+    assert _encoders_attention_backward(True, as_query) == cuda
+    assert _encoders_attention_backward(True, sequence_major) == cuda[1:]  # contiguous as the kernel wants: no copy
+    assert _encoders_attention_backward(False, as_query) == [output] * 3  # PyTorch's CPU kernel's gradients only
+    history = json.loads((RESULTS.parent / "misses.json").read_text())["items"][
+        "trace.transformer encoder.fp32.True.sgd-momentum"]["value"]["events"]
+    made = [size for action, _, size, *_ in history if action == "alloc"]
+    starts = [at for at in range(len(made)) if made[at:at + len(cuda) - 1] == [*cuda[:5], row, row]]
+    assert len(starts) == 8 and all(made[at + 7] == workspace for at in starts)  # 2 steps x 4 layers; the sum freed
+
+
+def test_an_undefined_gradient_passes_the_fp32_backward_untouched() -> None:
+    query = torch.randn(1, 2, 64, 16, requires_grad=True)
+    with FusedAttention() as attention:
+        attention.nvidia = True
+        output = nn.functional.scaled_dot_product_attention(query, query, query)
+        (grad,) = torch.autograd.grad(_Nothing.apply(output).sum() + query.sum(), (query,))
+    assert torch.equal(grad, torch.ones_like(query))
+
+
+def test_an_fp32_output_is_laid_out_as_cudas_and_multihead_attention_copies_it() -> None:
+    """CUDA's memory-efficient kernel writes its output as (batch, sequence, heads, head size); the CPU's follows
+    the query, which nn.MultiheadAttention lays out as (sequence, batch, heads, head size). For an NVIDIA GPU the
+    output takes CUDA's strides (its own storage: no memory more), so ``permute(2, 0, 1, 3).contiguous()`` copies
+    it, as on the GPU, and the output projection keeps the copy for backward: one output's bytes more after the
+    forward (8 x 64 tokens of 256 fp32 values: 524,288 B), where the CPU's output was a view. bf16 and other GPUs
+    keep the query's layout (cuDNN's and flash attention's outputs follow it)."""
+    def forward(nvidia: bool, dtype: torch.dtype = torch.float32) -> tuple[int, int]:
+        torch.manual_seed(0)
+        layer = nn.MultiheadAttention(256, 4, batch_first=True, dtype=dtype)
+        x = torch.randn(8, 64, 256, dtype=dtype)
+        with FusedAttention() as attention:
+            attention.nvidia = nvidia
+            with track("cpu") as tracked:
+                output, _ = layer(x, x, x, need_weights=False)
+            assert tracked.result is not None
+            kept = tracked.result.allocated_after
+            del output
+        return kept, attention.relaid
+
+    assert forward(True)[0] - forward(False)[0] == 524288
+    assert (forward(True)[1], forward(False)[1]) == (1, 0)
+    assert forward(True, torch.bfloat16) == forward(False, torch.bfloat16)
 
 
 class Attend(nn.Module):
@@ -89,7 +163,7 @@ class _Nothing(torch.autograd.Function):
 
 
 def test_each_call_holds_its_workspace_only_while_its_backward_runs() -> None:
-    """From a review: held from the node's start to its end, not until an input's gradient (the same query in four
+    """bf16 (cuDNN's attention). From a review: held from the node's start to its end, not until an input's gradient (the same query in four
     calls held four at once; gradients asked for the key and value only left one behind); an undefined output
     gradient takes none and raises nothing."""
     def step(backward: Any, calls: int = 1) -> tuple[int, int]:
@@ -98,7 +172,7 @@ def test_each_call_holds_its_workspace_only_while_its_backward_runs() -> None:
         results = {}
         for workspaces in (False, True):
             with FusedAttention() as attention:
-                attention.workspaces = workspaces
+                attention.nvidia = workspaces
                 outputs = [nn.functional.scaled_dot_product_attention(query, key, value) for _ in range(calls)]
                 with track("cpu") as tracked:
                     kept = backward(outputs, query, key, value)
@@ -108,9 +182,10 @@ def test_each_call_holds_its_workspace_only_while_its_backward_runs() -> None:
         return results[True][0] - results[False][0], results[True][1] - results[False][1]
 
     four = step(lambda outputs, q, k, v: torch.autograd.grad(sum(o.sum() for o in outputs), (q, k, v)), calls=4)
-    assert 0 < four[0] <= 8704 and four[1] == 0  # one call's workspace at a time (four at once: 33,792 B)
+    assert 9216 <= four[0] < 2 * 9216 and four[1] == 0  # one call's workspace at a time (four at once: 36,864 B)
     key_and_value = step(lambda outputs, q, k, v: torch.autograd.grad(outputs[0].sum(), (k, v)))
-    assert key_and_value == (8704, 0)  # nothing left behind
+    # nothing left behind; held beside the CPU kernel's own float32 scratch for a bf16 query (8,192 B) here
+    assert key_and_value in ((9216, 0), (9216 + 8192, 0))
     undefined = step(lambda outputs, q, k, v: torch.autograd.grad(_Nothing.apply(outputs[0]).sum() + q.sum(), (q,)))
     assert undefined == (0, 0)
 
@@ -120,6 +195,29 @@ def test_fp64_attention_takes_no_workspace() -> None:
     fp64, so the rule is nbmem's)."""
     query = torch.randn(1, 2, 64, 16, dtype=torch.float64, requires_grad=True)
     with FusedAttention() as attention:
-        attention.workspaces = True
+        attention.nvidia = True
         nn.functional.scaled_dot_product_attention(query, query, query)
     assert attention.calls == 1 and attention.with_workspace == 0
+
+
+class _SelfAttend(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attend = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(x, x, x, need_weights=False)[0].sum(dim=(1, 2))
+
+
+def test_an_estimate_for_an_nvidia_gpu_lays_multihead_attention_out_as_cuda_and_its_tracked_run_agrees() -> None:
+    """The estimate and its tracked run (real CPU tensors, the output's storage seen with CUDA's strides) take the
+    same bytes; the note says how many outputs were laid out so; a Mac's estimate keeps the CPU's layout."""
+    def run(device: str, mode: str) -> Any:
+        return estimate(_SelfAttend, lambda n: (torch.randn(n, 16, 32), torch.randn(n)), batch_size=2, device=device,
+                        loss=lambda output, batch: nn.functional.mse_loss(output, batch[1]), mode=mode)
+
+    nvidia, tracked, mac = run("H100-80GB", "estimated"), run("H100-80GB", "tracked"), run("Mac-16GB", "estimated")
+    assert nvidia.peak == tracked.peak and nvidia.peak > mac.peak
+    laid = [note for note in nvidia.notes if "laid out sequence-major" in note]
+    assert laid and laid[0].startswith("attention: 1 fp32 outputs per step laid out sequence-major")
+    assert not any("laid out sequence-major" in note for note in mac.notes)

@@ -17,40 +17,19 @@ import pytest
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nbmem.estimation.cuda_reductions import CudaReductions
 from nbmem.estimation.cudnn_rnn import CudnnRNN, dropout_state_bytes, reserve_bytes, workspace
 from nbmem.estimation.estimate import estimate
 from nbmem.estimation.workspaces import RNN_NOTE
 
+from _allocations import Allocations
 from _benchmarks import benchmark
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks/results/2026-11-27-gpu"
 with benchmark("fit_cudnn_rnn") as _fit:
     traced_workspace, fit_usable = _fit.traced_workspace, _fit.usable
 TRACED = json.loads((RESULTS / "misses-first.json").read_text())["items"]["rnn"]["value"]["rows"]
-
-
-class Allocations(TorchDispatchMode):
-    """The bytes of each storage an op makes (views and in-place ops make none)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-        self._seen: set[int] = set()
-        self._kept: list[object] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.is_mutable:
-            for tensor in out if isinstance(out, (tuple, list)) else [out]:
-                if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in self._seen:
-                    storage = tensor.untyped_storage()
-                    self._seen.add(storage._cdata)
-                    self._kept.append(storage)
-                    self.sizes.append(storage.nbytes())
-        return out
 
 
 def probe_step(row: dict, warm: bool = True) -> tuple[list[int], list[int]]:

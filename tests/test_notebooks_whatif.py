@@ -166,10 +166,12 @@ def test_04_autocast_note_and_timed_steps(nb04: nbformat.NotebookNode) -> None:
         match = re.search(
             rf"checkpointing {mode}:\s+[0-9.]+ s per step, peak ([0-9.]+ \w+) in use \(estimated ([0-9.]+ \w+)\)", timed
         )
-        # the real step (PyTorch's CPU kernels) peaks within 2 % below the estimate, which holds CUDA's reductions'
-        # staging buffers too (the markdown says so)
+        # the real step (PyTorch's CPU kernels) peaks below the estimate, which holds CUDA's fp32 attention's copies
+        # (4 MiB a layer kept without checkpointing) and its reductions' staging buffers (the markdown says so)
         assert match and _bytes(*match.group(1).split()) <= _bytes(*match.group(2).split()), timed
-        assert _bytes(*match.group(2).split()) <= 1.02 * _bytes(*match.group(1).split()), timed
+        real, estimated = _bytes(*match.group(1).split()), _bytes(*match.group(2).split())
+        assert (estimated - real) / real <= (0.09 if mode == "off" else 0.04), timed
+        assert mode == "on" or estimated - real >= 16 * 2**20, timed  # the four layers' copies at least
     ratio = re.search(r"checkpointing: ([0-9.]+) x the memory, ([0-9.]+) x the time", timed)
     assert ratio and float(ratio.group(1)) < 0.7, timed  # the time ratio is printed, not asserted: CPU timing is noisy
 
@@ -180,9 +182,12 @@ def test_04_compile_is_a_third_knob_and_lines_say_where_memory_goes(nb04: nbform
             held_unit in re.findall(r"(\w+) +compile=(\w+) +peak +([0-9.]+) (\w+), activations at the peak +([0-9.]+) "
                                     r"(\w+)", printed)}
     assert len(rows) == 4, printed
-    for precision in ("fp32", "bf16"):  # the markdown says: here the compiled step holds more, in activations
-        assert rows[precision, "True"][0] > rows[precision, "False"][0], printed
+    for precision in ("fp32", "bf16"):  # the markdown says: inductor's plan holds more activations at the peak
         assert rows[precision, "True"][1] > rows[precision, "False"][1], printed
+    # the bf16 compiled step holds more; in fp32 the eager estimate holds CUDA's attention outputs' copies (4 x 4 MiB),
+    # which the compiled one, inductor's plan with the CPU's attention kernel, does not
+    assert rows["bf16", "True"][0] > rows["bf16", "False"][0], printed
+    assert rows["fp32", "True"][0] < rows["fp32", "False"][0], printed
     lines = _text(_cell(nb04, "%%gpumem --lines --text"))
     assert "by line of your code" in lines
     table = {row.split("  ")[-1].strip(): row for row in lines.splitlines() if re.match(r"\s+cell \[", row)}

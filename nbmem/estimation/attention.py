@@ -18,8 +18,11 @@ one that runs PyTorch's own composite kernel with ``dropout_p=0``: same shapes
 and saved tensors as CUDA's fused kernels, no dropout applied (an estimate has
 no values; a tracked run's numbers differ, its memory does not). It counts the
 calls and which CPU kernel ran, for the estimate's notes. For an NVIDIA GPU
-(``workspaces``, set by the estimate) backward also holds the workspace the
-GPU's fused kernel takes (:func:`backward_workspace`, as an H100 took it).
+(``nvidia``, set by the estimate) backward also holds the workspace the
+GPU's fused kernel takes (:func:`backward_workspace`, as an H100 took it), and
+an fp32 output is laid out as CUDA's memory-efficient kernel lays it out
+(``_flash``: where the query is laid out otherwise, as in
+``nn.MultiheadAttention``, the GPU copies the output where the CPU would not).
 One call runs PyTorch's math kernel instead, as on CUDA: grouped-query attention (``enable_gqa=True``,
 fewer key/value heads) in fp32, which no fused CUDA kernel takes (flash and
 cuDNN take no fp32; memory-efficient attention no grouped-query input before
@@ -66,6 +69,8 @@ __all__ = ["FusedAttention", "set_attention", "check_attention", "batch_position
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 # the schema: (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False)
 _DROPOUT_AT = 4
 
@@ -89,10 +94,12 @@ class FusedAttention(ScopedKernels):
         self.hugging_face = False
         #: masks transformers built because it couldn't read a fake attention_mask or position_ids
         self.unread = 0
-        #: whether backward takes the workspace an NVIDIA GPU's fused kernel takes (estimate_plan sets it), and the
-        #: calls that took one
-        self.workspaces = False
+        #: whether the GPU is NVIDIA's (estimate_plan sets it): backward then takes the workspace its fused kernel
+        #: takes, and an fp32 output is laid out as its memory-efficient kernel lays it out; the calls that took a
+        #: workspace, and the fp32 outputs laid out so
+        self.nvidia = False
         self.with_workspace = 0
+        self.relaid = 0
         self._masking: Any = None  # transformers.masking_utils, while its checks are wrapped
         self._skip_wrapped = False  # whether its padding check is one of them (a transformers that has it)
 
@@ -123,6 +130,68 @@ class FusedAttention(ScopedKernels):
 
     def register(self, library: torch.library.Library) -> None:
         library.impl("scaled_dot_product_attention", self._kernel, "AutogradCPU")
+        # below autograd: the node it records saves the output as returned here
+        library.impl("_scaled_dot_product_flash_attention_for_cpu", self._flash, "ADInplaceOrView")
+        # not differentiable itself: its autograd kernel is where a backward node's call arrives
+        library.impl("_scaled_dot_product_flash_attention_for_cpu_backward", self._flash_backward, "AutogradCPU")
+
+    def _efficient(self, output: torch.Tensor) -> bool:
+        """Whether CUDA runs this call on its memory-efficient kernel: fp32, for an NVIDIA GPU, in a step (not a
+        trace)."""
+        return self.nvidia and output.dtype == torch.float32 and output.dim() == 4 and not _tracing()
+
+    def _flash(self, *args: Any, **kwargs: Any) -> Any:
+        """PyTorch's CPU flash kernel; for an NVIDIA GPU its fp32 output laid out as memory-efficient attention's.
+
+        CUDA runs fp32 attention on its memory-efficient kernel, which writes a
+        fresh (batch, sequence, heads, head size) tensor and returns it
+        transposed to (batch, heads, sequence, head size)
+        (``_efficient_attention_forward``); the CPU kernel lays its output out
+        as the query is. They differ where the query is not laid out so:
+        ``nn.MultiheadAttention``'s (sequence, batch, heads, head size)
+        projection. There the GPU's ``permute(2, 0, 1, 3).contiguous()`` copies
+        the output (and the output projection saves the copy) where the CPU's
+        is a view. The output is the storage the kernel made, seen with CUDA's
+        strides: no other memory, its numbers moved about (an estimate has
+        none; a tracked run's differ, its memory does not).
+        """
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            output, *rest = _FLASH(*args, **kwargs)
+            if self._efficient(output) and output.untyped_storage().nbytes() == output.nbytes:
+                strides = _sequence_major(output)
+                if output.stride() != strides:
+                    output = output.as_strided(output.shape, strides)
+                    self.relaid += 1
+        return (output, *rest)
+
+    def _flash_backward(self, grad_out: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, *args: Any,
+                        **kwargs: Any) -> Any:
+        """PyTorch's CPU flash backward; for an NVIDIA GPU's fp32 call, what CUDA's memory-efficient backward takes.
+
+        ``_efficient_attention_backward`` makes the output's gradient
+        contiguous as (batch, sequence, heads, head size) (a copy where it is
+        not), makes the three gradients, then computes a float32 row statistic
+        in ATen (``(grad_out * out).sum(-1).transpose(-2, -1).contiguous()``:
+        a product the size of the output, a sum, its copy) and the kernel's
+        workspace (:func:`backward_workspace`), freed as it returns: the
+        statistic, the workspace, the copy. The CPU kernel computes the
+        gradients; these buffers are taken beside them, in that order (CPU
+        memory never touched, in a tracked run).
+        """
+        with torch._C._AutoDispatchBelowAutograd():
+            if grad_out is None or not self._efficient(grad_out):  # None: an undefined gradient, passed on
+                return _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
+            rows = grad_out.transpose(1, 2)
+            copied = rows.contiguous() if not rows.is_contiguous() else None
+            grads = _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
+            batch, heads, length, size = grad_out.shape
+            product = grad_out.new_empty((batch, length, heads, size), dtype=torch.float32)
+            summed = product.new_empty((batch, length, heads))
+            statistic = product.new_empty((batch, heads, length))
+            del summed, product
+            workspace = grad_out.new_empty(backward_workspace(query, key), dtype=torch.uint8)
+            del statistic, workspace, copied
+        return grads
 
     def _kernel(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -149,7 +218,7 @@ class FusedAttention(ScopedKernels):
         output = _SDPA.decompose(*args, **kwargs)
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
             self.math += 1
-        elif output.grad_fn is not None and self.workspaces and not _tracing():
+        elif output.grad_fn is not None and self.nvidia and not _tracing():
             self._take_workspace(output, args[:3])
         return output
 
@@ -158,11 +227,13 @@ class FusedAttention(ScopedKernels):
         (a pre-hook), given back as it ends (a hook, which runs once its gradients are made)."""
         if inputs[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return  # fp64: CUDA runs PyTorch's math kernel, no fused one
+        self.with_workspace += 1
+        if inputs[0].dtype == torch.float32:
+            return  # memory-efficient attention's: taken inside its backward (_flash_backward), after the gradients
         node = output.grad_fn
         assert node is not None  # checked by the caller
         size = backward_workspace(inputs[0], inputs[1])
         held: list[torch.Tensor] = []
-        self.with_workspace += 1
 
         def take(grads: tuple[torch.Tensor | None, ...]) -> None:
             if grads and grads[0] is not None:
@@ -194,8 +265,14 @@ class FusedAttention(ScopedKernels):
             notes.append(
                 f"attention: {per_step(self.with_workspace, 'calls')} take a workspace in backward as an H100's "
                 "fused kernels took it (cuDNN's attention in bf16/fp16: an fp32 dQ and a row statistic, twice the dQ "
-                "for grouped-query input; memory-efficient attention in fp32: an fp32 dQ over rows rounded to 64); "
-                "other GPUs' kernels (flash on an A100) take about as much, not measured")
+                "for grouped-query input; memory-efficient attention in fp32: an fp32 dQ over rows rounded to 64, "
+                "after the gradients and a float32 row statistic, with a copy of the output's gradient where it is "
+                "not sequence-major); other GPUs' kernels (flash on an A100) take about as much, not measured")
+        if self.relaid:
+            notes.append(
+                f"attention: {per_step(self.relaid, 'fp32 outputs')} laid out sequence-major (batch, sequence, heads, "
+                "head size), as CUDA's memory-efficient kernel writes them, where the query is laid out otherwise "
+                "(nn.MultiheadAttention's): the model's contiguous() after it copies the output, as on the GPU")
         if self.with_dropout:
             notes.append(
                 f"attention: {per_step(self.with_dropout, 'calls')} with dropout run without it, as CUDA's fused kernels save no "
@@ -244,6 +321,16 @@ def backward_workspace(query: torch.Tensor, key: torch.Tensor) -> int:
         return rows * padded * size * 4 + rows * padded // 4
     grouped = 2 if key.size(-3) != heads else 1
     return grouped * rows * length * size * 4 + rows * length * 4 + 256
+
+
+def _sequence_major(output: torch.Tensor) -> tuple[int, ...]:
+    """The strides of a (batch, heads, sequence, head size) tensor laid out as (batch, sequence, heads, head size).
+
+    >>> _sequence_major(torch.empty(2, 4, 10, 8))
+    (320, 8, 32, 1)
+    """
+    batch, heads, length, size = output.shape
+    return (length * heads * size, size, heads * size, 1)
 
 
 def _tracing() -> bool:

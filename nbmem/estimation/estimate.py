@@ -327,7 +327,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             set_attention(network, plan.attention, notes)
             if attention is not None:
                 attention.hugging_face = type(network).__module__.startswith(("transformers.", "peft."))
-                attention.workspaces = nvidia
+                attention.nvidia = nvidia
             if task == "generate":
                 check_generator(network, plan.prompt_length, plan.new_tokens)  # type: ignore[arg-type]  # checked by check_task
             unit, unit_name = block_rule(network, plan.block)  # before checkpointing wraps the blocks
