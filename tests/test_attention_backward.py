@@ -221,3 +221,25 @@ def test_an_estimate_for_an_nvidia_gpu_lays_multihead_attention_out_as_cuda_and_
     laid = [note for note in nvidia.notes if "laid out sequence-major" in note]
     assert laid and laid[0].startswith("attention: 1 fp32 outputs per step laid out sequence-major")
     assert not any("laid out sequence-major" in note for note in mac.notes)
+
+
+@pytest.mark.parametrize("row", [row for row in ROWS if row["backend"] == "EFFICIENT_ATTENTION"],
+                         ids=lambda row: f"L{row['length']}-D{row['head_size']}-{'mask' if row['masked'] else 'causal'}")
+def test_fp32_backward_is_the_h100s_in_all_12_memory_efficient_calls_measured(row: dict[str, Any]) -> None:
+    """The H100's memory-efficient attention (fp32; 4 x 8 heads, 128 to 2,048 long, head sizes 64 and 128, causal or
+    with a mask; misses-first.json): every allocation of its backward, in order, to the kernel's workspace: the
+    loss's gradient, the output gradient's copy (``.sum()``'s is expanded), the three gradients, the statistic's
+    product, sum and copy, the workspace. On fake tensors the same, then autograd's sum of the key's and value's
+    gradients (the probe passed the key as the value) and the leaves' gradients, which the probe's record left out."""
+    batch, (heads, _), length, size = row["batch"], row["heads"], row["length"], row["head_size"]
+    with FakeTensorMode(), FusedAttention() as attention:
+        attention.nvidia = True
+        query, key = (torch.randn(batch, heads, length, size, requires_grad=True) for _ in range(2))
+        mask = torch.ones(length, length, dtype=torch.bool).tril() if row["masked"] else None
+        loss = nn.functional.scaled_dot_product_attention(query, key, key, attn_mask=mask,
+                                                          is_causal=not row["masked"]).sum()
+        with Allocations() as backward:
+            loss.backward()
+    measured = [made for made, _ in row["backward"]]
+    assert len(measured) == 9 and backward.sizes[:9] == measured
+    assert backward.sizes[9:] == [batch * heads * length * size * 4] * 3
