@@ -71,6 +71,8 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _MATH = torch.ops.aten._scaled_dot_product_attention_math.default
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+#: the bytes cuDNN's attention forward took as its workspace on an H100 in all 24 bf16 calls measured (one more in 4)
+_CUDNN_FORWARD_WORKSPACE = 256
 # the schema: (query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False)
 _DROPOUT_AT = 4
 
@@ -100,6 +102,7 @@ class FusedAttention(ScopedKernels):
         self.nvidia = False
         self.with_workspace = 0
         self.relaid = 0
+        self._seeds: list[torch.Tensor] = []  # cuDNN's seed and offset from _flash, until _kernel hands them on
         self._masking: Any = None  # transformers.masking_utils, while its checks are wrapped
         self._skip_wrapped = False  # whether its padding check is one of them (a transformers that has it)
 
@@ -125,6 +128,7 @@ class FusedAttention(ScopedKernels):
                 if _ours(wrapped):
                     setattr(self._masking, name, wrapped.args[1])
             self._masking = None
+            self._seeds = []
         finally:  # whatever line Ctrl-C lands on above, the kernels go (a wrapper left acts on fake tensors only)
             super().__exit__(*exc_info)
 
@@ -135,10 +139,15 @@ class FusedAttention(ScopedKernels):
         # not differentiable itself: its autograd kernel is where a backward node's call arrives
         library.impl("_scaled_dot_product_flash_attention_for_cpu_backward", self._flash_backward, "AutogradCPU")
 
-    def _efficient(self, output: torch.Tensor) -> bool:
-        """Whether CUDA runs this call on its memory-efficient kernel: fp32, for an NVIDIA GPU, in a step (not a
-        trace)."""
-        return self.nvidia and output.dtype == torch.float32 and output.dim() == 4 and not _tracing()
+    def _cuda_kernel(self, tensor: torch.Tensor) -> str | None:
+        """The fused kernel an NVIDIA GPU runs a call on, as an H100 picks (torch 2.11, cuDNN 9.19):
+        ``"efficient"`` (memory-efficient attention) for fp32, ``"cudnn"`` (cuDNN's) for bf16 and fp16; None for
+        another GPU, fp64, or a trace (compile=True)."""
+        if not self.nvidia or tensor.dim() != 4 or _tracing():
+            return None
+        if tensor.dtype == torch.float32:
+            return "efficient"
+        return "cudnn" if tensor.dtype in (torch.bfloat16, torch.float16) else None
 
     def _flash(self, *args: Any, **kwargs: Any) -> Any:
         """PyTorch's CPU flash kernel; for an NVIDIA GPU its fp32 output laid out as memory-efficient attention's.
@@ -153,34 +162,55 @@ class FusedAttention(ScopedKernels):
         the output (and the output projection saves the copy) where the CPU's
         is a view. The output is the storage the kernel made, seen with CUDA's
         strides: no other memory, its numbers moved about (an estimate has
-        none; a tracked run's differ, its memory does not).
+        none; a tracked run's differ, its memory does not). cuDNN's attention
+        (bf16, fp16) writes its output as the query is, and takes a 256-byte
+        workspace while it runs, after making its random-number seed and offset
+        (8 bytes each, on the GPU, dropout or not), which autograd keeps for
+        its backward.
         """
         with torch._C._AutoDispatchBelowADInplaceOrView():
+            query = args[0] if args else kwargs["query"]
+            if self._cuda_kernel(query) == "cudnn":  # its random-number seed and offset, kept for backward (_hold)
+                self._seeds = [query.new_empty((), dtype=torch.int64) for _ in range(2)]
             output, *rest = _FLASH(*args, **kwargs)
-            if self._efficient(output) and output.untyped_storage().nbytes() == output.nbytes:
+            kernel = self._cuda_kernel(output)
+            if kernel == "efficient" and output.untyped_storage().nbytes() == output.nbytes:
                 strides = _sequence_major(output)
                 if output.stride() != strides:
                     output = output.as_strided(output.shape, strides)
                     self.relaid += 1
+            elif kernel == "cudnn":  # its forward's workspace, freed as it returns
+                output.new_empty(_CUDNN_FORWARD_WORKSPACE, dtype=torch.uint8)
         return (output, *rest)
 
     def _flash_backward(self, grad_out: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, *args: Any,
                         **kwargs: Any) -> Any:
-        """PyTorch's CPU flash backward; for an NVIDIA GPU's fp32 call, what CUDA's memory-efficient backward takes.
+        """PyTorch's CPU flash backward; for an NVIDIA GPU, what its fused kernel's backward takes beside it.
 
-        ``_efficient_attention_backward`` makes the output's gradient
-        contiguous as (batch, sequence, heads, head size) (a copy where it is
-        not), makes the three gradients, then computes a float32 row statistic
-        in ATen (``(grad_out * out).sum(-1).transpose(-2, -1).contiguous()``:
-        a product the size of the output, a sum, its copy) and the kernel's
-        workspace (:func:`backward_workspace`), freed as it returns: the
-        statistic, the workspace, the copy. The CPU kernel computes the
-        gradients; these buffers are taken beside them, in that order (CPU
-        memory never touched, in a tracked run).
+        Memory-efficient attention (fp32, ``_efficient_attention_backward``)
+        makes the output's gradient contiguous as (batch, sequence, heads,
+        head size) (a copy where it is not), makes the three gradients, then
+        computes a float32 row statistic in ATen (``(grad_out *
+        out).sum(-1).transpose(-2, -1).contiguous()``: a product the size of
+        the output, a sum, its copy) and the kernel's workspace
+        (:func:`backward_workspace`), freed as it returns: the statistic, the
+        workspace, the copy. cuDNN's (bf16, fp16; ``run_cudnn_SDP_bprop``)
+        makes the three gradients, copies the output's gradient where its last
+        dimension is strided (into the output's layout), then takes its
+        workspace. The CPU kernel computes the gradients; these buffers are
+        taken beside them, in that order (CPU memory never touched, in a
+        tracked run).
         """
         with torch._C._AutoDispatchBelowAutograd():
-            if grad_out is None or not self._efficient(grad_out):  # None: an undefined gradient, passed on
+            kernel = None if grad_out is None else self._cuda_kernel(grad_out)
+            if grad_out is None or kernel is None:  # None: an undefined gradient, passed on
                 return _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
+            if kernel == "cudnn":
+                grads = _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
+                copied = grad_out.new_empty(grad_out.shape) if grad_out.stride(-1) != 1 else None
+                workspace = grad_out.new_empty(backward_workspace(query, key), dtype=torch.uint8)
+                del workspace, copied
+                return grads
             rows = grad_out.transpose(1, 2)
             copied = rows.contiguous() if not rows.is_contiguous() else None
             grads = _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
@@ -216,34 +246,26 @@ class FusedAttention(ScopedKernels):
             self.with_dropout += 1
         # PyTorch's own composite kernel (the one this replaces), which picks the CPU kernel
         output = _SDPA.decompose(*args, **kwargs)
+        seeds, self._seeds = self._seeds, []  # cuDNN's, made by _flash
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
             self.math += 1
         elif output.grad_fn is not None and self.nvidia and not _tracing():
-            self._take_workspace(output, args[:3])
+            self._hold(output, args[:3], seeds)
         return output
 
-    def _take_workspace(self, output: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> None:
-        """The attention's backward node holds :func:`backward_workspace`'s bytes while it runs: taken as it starts
-        (a pre-hook), given back as it ends (a hook, which runs once its gradients are made)."""
+    def _hold(self, output: torch.Tensor, inputs: tuple[torch.Tensor, ...], seeds: list[torch.Tensor]) -> None:
+        """Count a fused call whose backward takes a workspace (in :meth:`_flash_backward`), and keep ``seeds``
+        (cuDNN's) until its backward node has run, as autograd keeps the tensors it saved."""
         if inputs[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return  # fp64: CUDA runs PyTorch's math kernel, no fused one
         self.with_workspace += 1
-        if inputs[0].dtype == torch.float32:
-            return  # memory-efficient attention's: taken inside its backward (_flash_backward), after the gradients
         node = output.grad_fn
         assert node is not None  # checked by the caller
-        size = backward_workspace(inputs[0], inputs[1])
-        held: list[torch.Tensor] = []
+        if seeds:
+            def release(inputs: Any, grads: Any) -> None:
+                seeds.clear()
 
-        def take(grads: tuple[torch.Tensor | None, ...]) -> None:
-            if grads and grads[0] is not None:
-                held.append(grads[0].new_empty(size, dtype=torch.uint8))
-
-        def release(inputs: Any, grads: Any) -> None:
-            held.clear()
-
-        node.register_prehook(take)
-        node.register_hook(release)
+            node.register_hook(release)
 
     def notes(self, steps: int = 1) -> list[str]:
         """What the estimate assumed about attention in each of ``steps`` steps, for its notes (none without SDPA).
@@ -267,7 +289,8 @@ class FusedAttention(ScopedKernels):
                 "fused kernels took it (cuDNN's attention in bf16/fp16: an fp32 dQ and a row statistic, twice the dQ "
                 "for grouped-query input; memory-efficient attention in fp32: an fp32 dQ over rows rounded to 64, "
                 "after the gradients and a float32 row statistic, with a copy of the output's gradient where it is "
-                "not sequence-major); other GPUs' kernels (flash on an A100) take about as much, not measured")
+                "not sequence-major; cuDNN's also keeps an 8-byte seed and offset per call until its backward); "
+                "other GPUs' kernels (flash on an A100) take about as much, not measured")
         if self.relaid:
             notes.append(
                 f"attention: {per_step(self.relaid, 'fp32 outputs')} laid out sequence-major (batch, sequence, heads, "
