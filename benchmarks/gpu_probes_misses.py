@@ -53,17 +53,17 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 SECTIONS = ("trace", "rnn", "conv", "attention", "grouped_mm")
-#: the campaign's configurations the replay left furthest from the H100 (model, precision, checkpointing, optimizer)
+#: the campaign's configurations the replay left furthest from the H100 (model, precision, checkpointing, optimizer):
+#: as of results/2026-11-27-campaign-replay-cudnn-attention-cpu.json (the 2026-11-27 02:23 histories of the encoder,
+#: BERT and fp32 Llama explained their steps, which are exact now)
 MISSES = (
-    ("llama (4 layers, 512)", "fp32", False, "adamw"),
-    # allocated within 0.33 % now; its attention kernel (cuDNN's or flash) is what to see
-    ("llama (4 layers, 512)", "bf16", False, "adamw"),
-    ("transformer encoder", "fp32", True, "sgd-momentum"),
-    ("gpt2 (6 layers, 512)", "bf16", True, "sgd-momentum"),
-    ("gpt2 (6 layers, 512)", "fp32", True, "sgd-momentum"),
-    ("bert (4 layers, 256)", "bf16", False, "adamw"),
-    ("lstm", "fp32", False, "adamw"),
-    ("cnn (conv+BN blocks)", "fp32", True, "adamw"),
+    ("gpt2 (6 layers, 512)", "fp32", False, "adamw"),  # -0.40 %: moved from exact by attention's backward order
+    ("gpt2 (6 layers, 512)", "bf16", True, "adamw"),  # +0.65 %
+    ("gpt2 (6 layers, 512)", "bf16", True, "sgd-momentum"),  # +0.56 %, reserved -7.55 % (the campaign's process)
+    ("gpt2 (6 layers, 512)", "fp32", True, "sgd-momentum"),  # +1.35 % against its own history: block sizes
+    ("llama (4 layers, 512)", "bf16", False, "adamw"),  # -0.33 %
+    ("lstm", "fp32", False, "adamw"),  # +2.0 %: cuDNN's RNN workspace fit at hidden 256
+    ("cnn (conv+BN blocks)", "fp32", True, "adamw"),  # -11.5 %: cuDNN's backward-filter workspace
 )
 _LIBRARY = ("/torch/", "/nbmem/", "/transformers/", "/contextlib.py", "/functools.py")
 
