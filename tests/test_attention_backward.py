@@ -249,3 +249,65 @@ def test_bf16_forward_and_backward_are_the_h100s_in_all_24_cudnn_calls_measured(
     assert forward.sizes[at:at + 5] == attention_made
     measured = [size for size, _ in row["backward"]]
     assert backward.sizes[:len(measured)] == measured
+
+
+def test_cudnns_seeds_are_saved_as_autograd_saves_and_never_pass_to_another_call(monkeypatch: Any) -> None:
+    """From a review: under non-reentrant checkpointing the seeds go through checkpoint's pack hook (freed after the
+    forward, made again by the recomputation), as autograd's saved tensors do on the GPU; an exception between the
+    kernel and the node (checkpoint's early stop, a pack hook raising) leaves none behind for the next call."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    made: list[weakref.ref[torch.Tensor]] = []
+    flash = FusedAttention._flash
+
+    def recorded(self: FusedAttention, *args: Any, **kwargs: Any) -> Any:
+        out = flash(self, *args, **kwargs)
+        made.extend(weakref.ref(seed) for seed in self._seeds)
+        return out
+
+    monkeypatch.setattr(FusedAttention, "_flash", recorded)
+
+    def alive() -> int:
+        gc.collect()
+        return sum(ref() is not None for ref in made)
+
+    def attend(x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(x, x, x) * 2
+
+    class Boom(Exception):
+        pass
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        raise Boom
+
+    with FakeTensorMode(), FusedAttention() as attention:
+        attention.nvidia = True
+        query = torch.randn(2, 4, 16, 8, dtype=torch.bfloat16, requires_grad=True)
+        output = checkpoint(attend, checkpoint(attend, query, use_reentrant=False), use_reentrant=False)
+        assert (len(made), alive()) == (4, 0)  # two layers' seeds, freed with the forward
+        output.float().sum().backward()
+        assert len(made) > 4 and alive() == 0 and attention._seeds == []  # made again, given back
+        plain = attend(query)
+        assert alive() == 2  # no hooks: held by the node
+        del plain
+        assert alive() == 0
+        with pytest.raises(Boom), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            attend(query)
+        assert attention._seeds == [] and alive() == 0
+
+
+@pytest.mark.parametrize("nvidia", [False, True])
+def test_a_double_backward_through_attention_raises_as_without_nbmem(nvidia: bool) -> None:
+    """From a review: the CPU flash backward has no derivative (nor do CUDA's fused kernels); with the backward
+    replaced, a gradient penalty through attention went on without its second-order term. Now PyTorch's own error."""
+    query = torch.randn(1, 2, 8, 4, requires_grad=True)
+    with FusedAttention() as attention:
+        attention.nvidia = nvidia
+        output = nn.functional.scaled_dot_product_attention(query, query, query) + query * query
+        (grad,) = torch.autograd.grad(output.sum(), query, create_graph=True)
+        with pytest.raises(RuntimeError, match="derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward"
+                                               " is not implemented"):
+            grad.pow(2).sum().backward()

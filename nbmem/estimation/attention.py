@@ -156,9 +156,10 @@ class FusedAttention(ScopedKernels):
         fresh (batch, sequence, heads, head size) tensor and returns it
         transposed to (batch, heads, sequence, head size)
         (``_efficient_attention_forward``); the CPU kernel lays its output out
-        as the query is. They differ where the query is not laid out so:
+        as the query is. They differ wherever the query is not laid out so:
         ``nn.MultiheadAttention``'s (sequence, batch, heads, head size)
-        projection. There the GPU's ``permute(2, 0, 1, 3).contiguous()`` copies
+        projection, or a contiguous (batch, heads, sequence, head size) query.
+        In the first the GPU's ``permute(2, 0, 1, 3).contiguous()`` copies
         the output (and the output projection saves the copy) where the CPU's
         is a view. The output is the storage the kernel made, seen with CUDA's
         strides: no other memory, its numbers moved about (an estimate has
@@ -176,7 +177,8 @@ class FusedAttention(ScopedKernels):
             kernel = self._cuda_kernel(output)
             if kernel == "efficient" and output.untyped_storage().nbytes() == output.nbytes:
                 strides = _sequence_major(output)
-                if output.stride() != strides:
+                if any(size > 1 and stride != sequence_major
+                       for size, stride, sequence_major in zip(output.shape, output.stride(), strides)):
                     output = output.as_strided(output.shape, strides)
                     self.relaid += 1
             elif kernel == "cudnn":  # its forward's workspace, freed as it returns
@@ -201,6 +203,13 @@ class FusedAttention(ScopedKernels):
         taken beside them, in that order (CPU memory never touched, in a
         tracked run).
         """
+        if torch.is_grad_enabled() and any(isinstance(tensor, torch.Tensor) and tensor.requires_grad
+                                           for tensor in (grad_out, query, key, *args)):
+            # create_graph=True: the gradients are computed, and differentiating them raises, as without this kernel
+            with torch._C._AutoDispatchBelowAutograd():
+                grads = _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
+            inputs = [tensor for tensor in (grad_out, query, key, *args) if isinstance(tensor, torch.Tensor)]
+            return tuple(_not_differentiable(grad, inputs) for grad in grads)
         with torch._C._AutoDispatchBelowAutograd():
             kernel = None if grad_out is None else self._cuda_kernel(grad_out)
             if grad_out is None or kernel is None:  # None: an undefined gradient, passed on
@@ -245,8 +254,10 @@ class FusedAttention(ScopedKernels):
         if dropout:
             self.with_dropout += 1
         # PyTorch's own composite kernel (the one this replaces), which picks the CPU kernel
-        output = _SDPA.decompose(*args, **kwargs)
-        seeds, self._seeds = self._seeds, []  # cuDNN's, made by _flash
+        try:
+            output = _SDPA.decompose(*args, **kwargs)
+        finally:  # cuDNN's, made by _flash: this call's, whatever raised after (a checkpoint's early stop)
+            seeds, self._seeds = self._seeds, []
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
             self.math += 1
         elif output.grad_fn is not None and self.nvidia and not _tracing():
@@ -262,8 +273,22 @@ class FusedAttention(ScopedKernels):
         node = output.grad_fn
         assert node is not None  # checked by the caller
         if seeds:
+            # saved as autograd saves a tensor: through the saved-tensor hooks in force (non-reentrant checkpointing
+            # frees them after the forward, and its recomputation makes them again), given back by unpacking
+            hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            kept: list[Any] = [hooks[0](seed) for seed in seeds] if hooks else seeds
+            # the hooks go with the seeds: the node lives as long as the graph, and a checkpoint's unpack hook
+            # holds its region's inputs
+            held = [kept, hooks]
+            del seeds, hooks
+
             def release(inputs: Any, grads: Any) -> None:
-                seeds.clear()
+                if held:
+                    packed, hooks = held
+                    held.clear()
+                    if hooks:  # a recomputed seed is handed back to its holder, and dropped with it
+                        for each in packed:
+                            hooks[1](each)
 
             node.register_hook(release)
 
@@ -344,6 +369,17 @@ def backward_workspace(query: torch.Tensor, key: torch.Tensor) -> int:
         return rows * padded * size * 4 + rows * padded // 4
     grouped = 2 if key.size(-3) != heads else 1
     return grouped * rows * length * size * 4 + rows * length * 4 + 256
+
+
+def _not_differentiable(grad: torch.Tensor | None, inputs: list[torch.Tensor]) -> torch.Tensor | None:
+    """``grad`` (its storage) behind a node raising PyTorch's own error for a backward of the CPU flash backward, as
+    without this kernel (autograd's DelayedError, given the call's inputs: its node is made where one needs a
+    gradient)."""
+    if grad is None:
+        return None
+    message = "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented"
+    delayed: torch.Tensor = torch._C._functions.DelayedError(message, 1 + len(inputs))(grad, *inputs)[0]
+    return delayed
 
 
 def _sequence_major(output: torch.Tensor) -> tuple[int, ...]:
