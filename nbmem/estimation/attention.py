@@ -171,10 +171,10 @@ class FusedAttention(ScopedKernels):
         """
         with torch._C._AutoDispatchBelowADInplaceOrView():
             query = args[0] if args else kwargs["query"]
-            if self._cuda_kernel(query) == "cudnn":  # its random-number seed and offset, kept for backward (_hold)
+            kernel = self._cuda_kernel(query)
+            if kernel == "cudnn":  # its random-number seed and offset, kept for backward (_hold)
                 self._seeds = [query.new_empty((), dtype=torch.int64) for _ in range(2)]
             output, *rest = _FLASH(*args, **kwargs)
-            kernel = self._cuda_kernel(output)
             if kernel == "efficient" and output.untyped_storage().nbytes() == output.nbytes:
                 strides = _sequence_major(output)
                 if any(size > 1 and stride != sequence_major
@@ -203,17 +203,15 @@ class FusedAttention(ScopedKernels):
         taken beside them, in that order (CPU memory never touched, in a
         tracked run).
         """
-        if torch.is_grad_enabled() and any(isinstance(tensor, torch.Tensor) and tensor.requires_grad
-                                           for tensor in (grad_out, query, key, *args)):
-            # create_graph=True: the gradients are computed, and differentiating them raises, as without this kernel
-            with torch._C._AutoDispatchBelowAutograd():
-                grads = _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
-            inputs = [tensor for tensor in (grad_out, query, key, *args) if isinstance(tensor, torch.Tensor)]
-            return tuple(_not_differentiable(grad, inputs) for grad in grads)
+        inputs = [tensor for tensor in (grad_out, query, key, *args) if isinstance(tensor, torch.Tensor)]
+        # create_graph=True: the gradients are computed (no GPU buffers beside them), and differentiating them
+        # raises, as without this kernel
+        differentiable = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in inputs)
         with torch._C._AutoDispatchBelowAutograd():
-            kernel = None if grad_out is None else self._cuda_kernel(grad_out)
+            kernel = None if grad_out is None or differentiable else self._cuda_kernel(grad_out)
             if grad_out is None or kernel is None:  # None: an undefined gradient, passed on
-                return _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
+                grads = _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
+                return tuple(_not_differentiable(grad, inputs) for grad in grads) if differentiable else grads
             if kernel == "cudnn":
                 grads = _FLASH_BACKWARD(grad_out, query, key, *args, **kwargs)
                 copied = grad_out.new_empty(grad_out.shape) if grad_out.stride(-1) != 1 else None
@@ -260,15 +258,13 @@ class FusedAttention(ScopedKernels):
             seeds, self._seeds = self._seeds, []
         if output.grad_fn is not None and "FlashAttention" not in output.grad_fn.name():
             self.math += 1
-        elif output.grad_fn is not None and self.nvidia and not _tracing():
-            self._hold(output, args[:3], seeds)
+        elif output.grad_fn is not None and self._cuda_kernel(query) is not None:  # fp64: CUDA's math kernel
+            self._hold(output, seeds)
         return output
 
-    def _hold(self, output: torch.Tensor, inputs: tuple[torch.Tensor, ...], seeds: list[torch.Tensor]) -> None:
+    def _hold(self, output: torch.Tensor, seeds: list[torch.Tensor]) -> None:
         """Count a fused call whose backward takes a workspace (in :meth:`_flash_backward`), and keep ``seeds``
         (cuDNN's) until its backward node has run, as autograd keeps the tensors it saved."""
-        if inputs[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return  # fp64: CUDA runs PyTorch's math kernel, no fused one
         self.with_workspace += 1
         node = output.grad_fn
         assert node is not None  # checked by the caller
