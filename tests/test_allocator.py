@@ -61,6 +61,25 @@ def test_free_neighbours_merge():
     assert simulation.reserved == 20 * MiB
 
 
+@pytest.mark.parametrize("addresses, reserved", [(False, 36 << 20), (True, 24 << 20)])
+def test_of_equal_free_blocks_the_lowest_address_serves_where_the_addresses_are_known(addresses, reserved):
+    # two 12 MiB segments, the second made at a lower address, each with a 1.5 MiB free tail: a 1.25 MiB request
+    # takes the oldest segment's tail, or (a replay of a real trace) the lower address's, as CUDA does; which one
+    # decides whether freeing the first segment's 10.5 MiB leaves it whole for an 11.5 MiB request or a new one
+    sim = CachingAllocatorSimulation()
+
+    def at(address: int) -> int | None:
+        return address if addresses else None
+
+    half = 1 << 19
+    assert sim.malloc("a", (10 << 20) + half, at(2 << 30)) == (10 << 20) + half  # a 12 MiB segment, split
+    sim.malloc("b", (10 << 20) + half, at(1 << 30))
+    assert sim.malloc("c", (1 << 20) + half // 2, at((1 << 30) + (10 << 20) + half)) == 3 * half  # rest not split
+    sim.free("a")
+    sim.malloc("d", (11 << 20) + half, at(2 << 30))
+    assert sim.reserved == reserved
+
+
 def test_a_cached_large_block_serves_a_larger_request_too():
     simulation = CachingAllocatorSimulation()
     simulation.malloc("a", 4 * MiB)  # a 20 MiB segment

@@ -9,6 +9,7 @@ H100 (torch 2.11.0+cu130) by benchmarks/gpu_probes.py, which printed
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 
 import nbmem
 from nbmem.core.snapshot import SnapshotError, load_snapshot
-from nbmem.core.units import format_bytes
+from nbmem.core.units import format_bytes, round_allocation
 
 MiB = 1024**2
 SNAPSHOTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "2026-11-25-gpu"
@@ -49,6 +50,37 @@ def test_replaying_a_real_trace_through_the_simulation_reserves_the_same_segment
     replay = load_snapshot(SNAPSHOTS / f"snapshot-{name}.pickle").replay()
     assert replay.exact and not replay.what_if, str(replay)
     assert replay.simulated_peak_reserved == TRUTH[name][1]
+
+
+HISTORIES = SNAPSHOTS.parent / "2026-11-27-gpu" / "misses.json"
+
+
+def _history(item: dict) -> io.BytesIO:
+    """One of misses.json's H100 allocator histories (a training step's alloc/free/segment events, compacted by
+    benchmarks/gpu_probes_misses.py) as the snapshot pickle it came from, less its segments."""
+    trace = [{"action": action, "addr": address, "size": size} for action, address, size, *_ in item["events"]]
+    return io.BytesIO(pickle.dumps({"segments": [], "device_traces": [trace]}))
+
+
+def test_a_trace_counts_the_blocks_the_allocator_gave_not_the_bytes_asked_for():
+    """The trace records the bytes asked for; CUDA counts the block, which is more where a free block's rest was
+    too small to split (1 MiB or less). The 8 training steps of misses.json (H100, torch 2.11), each beside its
+    ``max_memory_allocated()`` less what was allocated before: rounding each request up to 512 B fell short in 6 of
+    them, by up to 9 MiB; the blocks nbmem's simulation gives at the trace's addresses are the H100's to the byte."""
+    items = {key: item["value"] for key, item in json.loads(HISTORIES.read_text())["items"].items()
+             if key.startswith("trace.")}
+    assert len(items) == 8
+    short = {}
+    for key, item in items.items():
+        snapshot = load_snapshot(_history(item))
+        assert snapshot.peak_allocated == item["max_memory_allocated"], key
+        assert snapshot.replay().simulated_peak_allocated == item["max_memory_allocated"], key
+        asked = peak = 0
+        for action, _, size, *_ in item["events"]:
+            asked += {"alloc": 1, "free_completed": -1}.get(action, 0) * round_allocation(size)
+            peak = max(peak, asked)
+        short[key] = item["max_memory_allocated"] - peak
+    assert sum(bytes_ > 0 for bytes_ in short.values()) == 6 and max(short.values()) == 9_175_040, short
 
 
 def test_a_what_if_on_one_real_trace_gives_what_the_other_setting_really_reserved():

@@ -11,7 +11,8 @@ unused tails of its segments. The rules, from c10/cuda/CUDACachingAllocator.cpp:
   segments are 20 MiB (kLargeBuffer) for requests under 10 MiB (kMinLargeAlloc)
   and the request rounded up to 2 MiB (kRoundLarge) otherwise;
 - a request takes the smallest cached free block of its pool that fits (best
-  fit), split when the rest is at least 512 B (small pool, or any pool with
+  fit; of equal ones the lowest address: here the oldest segment's, or, where
+  the real addresses are known, as in a snapshot's replay, the lowest), split when the rest is at least 512 B (small pool, or any pool with
   expandable segments) or more than 1 MiB (large pool) and the request is under
   ``max_split_size``; blocks of ``max_split_size`` or more serve only requests of
   that size or more, and only within ``max_non_split_rounding`` (20 MiB) of it;
@@ -145,18 +146,26 @@ class CachingAllocatorSimulation:
     _unmapped: dict[bool, list[tuple[int, int, _Block]]] = field(default_factory=lambda: {True: [], False: []})
     _segments: list[_Segment] = field(default_factory=list)
     _numbers: itertools.count[int] = field(default_factory=itertools.count)
+    #: where the real allocator put the request being served (malloc's ``address``), None where unknown
+    _address: int | None = None
     _searches: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     #: When a list: every change to what is reserved, as (action, segment, offset, bytes) with PyTorch's trace
     #: actions (segment_alloc, segment_free, segment_map, segment_unmap), for an exported snapshot.
     log: list[tuple[str, _Segment, int, int]] | None = None
 
-    def malloc(self, key: object, nbytes: int) -> int:
+    def malloc(self, key: object, nbytes: int, address: int | None = None) -> int:
         """Allocate ``nbytes`` (as requested) for ``key``: the block's bytes, which count as allocated (a cached block
         at most 1 MiB larger than asked is not split: CUDA counts it whole). MemoryError past ``capacity`` if strict.
+
+        ``address``: where the real allocator put it, when replaying a recorded trace. CUDA gives a request the
+        lowest-addressed of equal free blocks, and cudaMalloc's addresses follow no order a simulation can know; a
+        segment made for a request with an address is ordered at that address, so that a replay hands out the
+        blocks the real allocator did.
         """
         size = round_request(nbytes, self.settings)
         if size == 0:
             return 0
+        self._address = address
         small = size <= SMALL_SIZE
         block = self._get_free_block(small, size)
         if block is None:
@@ -276,6 +285,12 @@ class CachingAllocatorSimulation:
         del entries[index]
         return block
 
+    def _number(self) -> int:
+        """A new segment's place among equal free blocks (CUDA's: the lowest address first): the order segments are
+        made in, or the real address of the request it is made for (unique: the order made breaks a tie)."""
+        made = next(self._numbers)
+        return made if self._address is None else (self._address << 32) + made
+
     def _alloc_block(self, small: bool, size: int, force: bool = False) -> _Block | None:
         wanted = segment_size(size)
         if not force and self.allowed_memory is not None and self.reserved + wanted > self.allowed_memory:
@@ -284,7 +299,7 @@ class CachingAllocatorSimulation:
             return self._expandable_block(small, size, force)
         if not force and self.capacity is not None and self.reserved + wanted > self.capacity:
             return None
-        segment = _Segment(wanted, small, next(self._numbers), span=wanted)
+        segment = _Segment(wanted, small, self._number(), span=wanted)
         block = _Block(segment, 0, wanted)
         segment.first = block
         self._segments.append(segment)
@@ -320,7 +335,7 @@ class CachingAllocatorSimulation:
                 return start
         page = SMALL_BUFFER if small else LARGE_BUFFER
         space = _NO_CAPACITY_ADDRESS_SPACE if self.capacity is None else self.capacity + self.capacity // 8
-        segment = _Segment(0, small, next(self._numbers), page=page, span=-(-space // page) * page)
+        segment = _Segment(0, small, self._number(), page=page, span=-(-space // page) * page)
         block = _Block(segment, 0, segment.span, mapped=False)
         segment.first = block
         self._segments.append(segment)

@@ -17,8 +17,12 @@ C++ frames too).
 :func:`load_snapshot` reads one with an unpickler that builds nothing but
 dicts, lists, strings and numbers (a pickle can run code: this one can't),
 checks its shape, and gives a :class:`Snapshot`: the trace's figures as a
-:class:`~nbmem.MemoryResult` (``measured``, by the real allocator), the blocks
-alive with the line of Python that made each, what they were for where the
+:class:`~nbmem.MemoryResult` (``measured``, by the real allocator; the trace
+records the bytes asked for, and a block's, which the allocator counts, is what
+nbmem's simulation gives at the trace's addresses: CUDA hands out the lowest
+address among equal free blocks. ``max_memory_allocated()`` to the byte in the
+12 H100 traces at hand, where rounding each request up to 512 B was up to 9 MiB
+short in 6 of them), the blocks alive with the line of Python that made each, what they were for where the
 frames tell, fragmentation, the out-of-memory error the trace ends with, and
 :meth:`Snapshot.replay` through nbmem's allocator simulation, compared
 segment for segment with the real one.
@@ -280,21 +284,30 @@ class Snapshot:
         allocated = reserved = peak_allocated = peak_reserved = 0
         born: set[int] = set()
         self._named: dict[int, str] = {}  # address -> the category its alloc entry names (nbmem's exports do)
-        for entry in trace:
-            # an alloc's size is what was asked for; the allocator's block is that rounded up to 512 B
+        # an alloc's size is what was asked for; the allocator counts the block it gave, which is that rounded up to
+        # 512 B, or more where the rest of a free block was too small to split: the replay's, at the real addresses
+        self._block_sizes = self._replayed(settings_from_snapshot(settings))[1]
+        made: dict[Any, int] = {}
+        for index, entry in enumerate(trace):
             action, size = entry.get("action"), round_allocation(int(entry.get("size", 0)))
             if action == "alloc":
+                made[entry.get("addr", 0)] = size = self._block_sizes.get(index, size)
                 allocated += size
                 born.add(entry.get("addr", 0))
                 if isinstance(entry.get("category"), str):
                     self._named[entry.get("addr", 0)] = entry["category"]
             elif action == "free_completed":
-                allocated -= size
+                allocated -= made.pop(entry.get("addr", 0), size)
             elif action in ("segment_alloc", "segment_map"):
                 reserved += size
             elif action in ("segment_free", "segment_unmap"):
                 reserved -= size
             peak_allocated, peak_reserved = max(peak_allocated, allocated), max(peak_reserved, reserved)
+        # the blocks alive at the snapshot say what the allocator really gave: where the replay gave one otherwise,
+        # its peak may be off (the result says so)
+        real = {block.get("address"): int(block.get("size", 0)) for segment in segments
+                for block in segment.get("blocks", []) if block.get("state") == "active_allocated"}
+        self._unlike = sum(1 for address, size in made.items() if address in real and real[address] != size)
         # what the trace's events don't explain was there before recording began
         self.allocated_at_start = self.allocated - allocated if segments else 0
         self.reserved_at_start = self.reserved - reserved if segments else 0
@@ -353,6 +366,11 @@ class Snapshot:
                         f"holds the tensors nbmem tracked beside it, {format_bytes(seen)} at their peak"
                         + (f": {format_bytes(measured - seen)} the allocator gave out beside them (library "
                            "workspaces, buffers outside tensors) is not in it" if measured > seen else ""))
+        if self._unlike:
+            notes.append(
+                f"the trace records the bytes asked for; the blocks counted are those nbmem's allocator simulation gives "
+                f"at the trace's addresses, and {self._unlike} alive at the end differ from the snapshot's own: the "
+                "peak may be off by their difference")
         if self.oom is not None:
             notes.append(
                 f"the trace ends in an out-of-memory error: {format_bytes(int(self.oom.get('size', 0)))} asked for with "
@@ -404,13 +422,13 @@ class Snapshot:
         live = {"before the trace": self.allocated_at_start}
         made: dict[Any, tuple[str, int]] = {}
         rows = [dict(live)]
-        for entry in self._trace:
+        for index, entry in enumerate(self._trace):
             action = entry.get("action")
             if action == "alloc":
                 named = entry.get("category")
                 category = named if isinstance(named, str) else _category(entry.get("frames") or [])
                 category = category if category in COLOURS else "unknown"
-                size = round_allocation(int(entry.get("size", 0)))
+                size = self._block_sizes.get(index, round_allocation(int(entry.get("size", 0))))
                 made[entry.get("addr")] = (category, size)
                 live[category] = live.get(category, 0) + size
             elif action == "free_completed" and entry.get("addr") in made:
@@ -446,15 +464,7 @@ class Snapshot:
         if self.allocated_at_start:
             notes.append(f"{format_bytes(self.allocated_at_start)} was allocated before recording began: not replayed")
         notes += settings.caveats()
-        simulation = CachingAllocatorSimulation(settings=settings)
-        for entry in self._trace:
-            action = entry.get("action")
-            if action == "alloc":
-                simulation.malloc(entry.get("addr"), int(entry.get("size", 0)))
-            elif action == "free_completed":
-                simulation.free(entry.get("addr"))
-            elif action in ("segment_free", "segment_unmap"):
-                simulation.empty_cache()  # emptied cache (empty_cache, or an OOM's retry): the real one gave back
+        simulation = self._replayed(settings)[0]
         return Replay(
             real_segments=len(self._segments), simulated_segments=sum(1 for segment in simulation._segments if segment.size),
             real_reserved=self.reserved, simulated_reserved=simulation.reserved,
@@ -462,6 +472,22 @@ class Snapshot:
             real_settings=str(recorded) or "defaults", simulated_settings=str(settings) or "defaults",
             simulated_peak_allocated=simulation.peak_allocated,
         )
+
+    def _replayed(self, settings: AllocatorSettings) -> tuple[CachingAllocatorSimulation, dict[int, int]]:
+        """The trace through the simulation, each request at the address the real allocator gave it (which of equal
+        free blocks CUDA hands out follows the addresses); and the block each alloc entry got, by its index."""
+        simulation = CachingAllocatorSimulation(settings=settings)
+        blocks = {}
+        for index, entry in enumerate(self._trace):
+            action, address = entry.get("action"), entry.get("addr")
+            if action == "alloc":
+                blocks[index] = simulation.malloc(address, int(entry.get("size", 0)),
+                                                  address if isinstance(address, int) and address >= 0 else None)
+            elif action == "free_completed":
+                simulation.free(address)
+            elif action in ("segment_free", "segment_unmap"):
+                simulation.empty_cache()  # emptied cache (empty_cache, or an OOM's retry): the real one gave back
+        return simulation, blocks
 
     def try_settings(self, *alloc_confs: str) -> SettingsTable:
         """This trace replayed under each of several allocator settings, side by side ("" is PyTorch's defaults).
