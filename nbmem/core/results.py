@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator, Literal, Sequence
 
 from .charts import COLOURS
+from .rendering import first_line, format_seconds, shorten, stacked_bar_html, text_table
 from .units import format_bytes
 
-__all__ = ["MemoryResult", "Breakdown", "report_html", "stacked_bar_html", "CATEGORIES", "History", "MODES", "CELL_COLUMNS", "cell_figures", "text_table", "first_line", "shorten"]
+__all__ = ["MemoryResult", "Breakdown", "report_html", "CATEGORIES", "History", "MODES", "CELL_COLUMNS", "cell_figures"]
 
 Mode = Literal["measured", "tracked"]
 
@@ -254,7 +255,7 @@ class MemoryResult:
         return (
             f"gpumem {label}peak {format_bytes(self.peak, signed=True)} allocated"
             f" · retained {format_bytes(self.retained, signed=True)}"
-            f" · {_time(self.seconds)} · {self.mode} on {self.device}{failed}"
+            f" · {format_seconds(self.seconds)} · {self.mode} on {self.device}{failed}"
         )
 
     def _rows(self) -> list[tuple[str, str]]:
@@ -290,7 +291,7 @@ class MemoryResult:
                     " (device view: includes the CUDA context and other processes)",
                 )
             )
-        rows.append(("time", f"{_time(self.seconds)} wall" if self.seconds == self.seconds else "not recorded"))
+        rows.append(("time", f"{format_seconds(self.seconds)} wall" if self.seconds == self.seconds else "not recorded"))
         return rows
 
     def text(self, *, breakdown: bool = False) -> str:
@@ -372,27 +373,6 @@ class MemoryResult:
 
     def _repr_html_(self) -> str:
         return report_html(self, breakdown=self.show_breakdown)
-
-
-def stacked_bar_html(segments: list[tuple[str, int]], css_class: str, *, always: tuple[str, ...] = ()) -> str:
-    """A horizontal bar of named byte segments, and its legend (segments of 0 B left out)."""
-    total = sum(size for _, size in segments) or 1
-    bar = "".join(
-        f'<div class="nbmem-seg nbmem-seg-{name.replace(" ", "-")}" title="{name}: {format_bytes(size)}"'
-        f' style="width:{100 * size / total:.3f}%;background:{COLOURS[name]}"></div>'
-        for name, size in segments
-        if size > 0
-    )
-    legend = " ".join(
-        f'<span style="white-space:nowrap"><span style="display:inline-block;width:0.8em;height:0.8em;'
-        f'background:{COLOURS[name]};margin-right:0.25em"></span>{name} {format_bytes(size)}</span>'
-        for name, size in segments
-        if size > 0 or name in always
-    )
-    return (
-        f'<div class="{css_class}" style="display:flex;height:14px;border:1px solid #888;margin:4px 0">{bar}</div>'
-        f"<div style='font-size:12px'>{legend}"
-    )
 
 
 def report_html(result: MemoryResult, *, breakdown: bool = False) -> str:
@@ -577,37 +557,6 @@ def cell_figures(result: MemoryResult) -> tuple[str, str, str, str, str]:
         format_bytes(result.peak, signed=True),
         format_bytes(result.peak_allocated),
         format_bytes(result.retained, signed=True),
-        _time(result.seconds),
+        format_seconds(result.seconds),
         how,
     )
-
-
-def text_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
-    """Left-aligned columns two spaces apart, a dashed rule under the header."""
-    rows = [header, *rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return lines
-
-
-def _time(seconds: float) -> str:
-    """Seconds as a result shows them; NaN (a file that recorded no time) as "time not recorded"."""
-    return f"{seconds:.3g} s" if seconds == seconds else "time not recorded"
-
-
-def first_line(source: str) -> str:
-    r"""The first non-blank line of a cell, stripped: how nbmem labels a cell.
-
-    >>> first_line("\n  loss.backward()\nopt.step()")
-    'loss.backward()'
-    """
-    for line in source.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
-def shorten(text: str, width: int) -> str:
-    """``text`` cut to ``width`` characters, the last one an ellipsis when cut."""
-    return text if len(text) <= width else text[: width - 1] + "…"

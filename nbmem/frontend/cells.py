@@ -13,7 +13,7 @@ import ast
 from types import CodeType
 from typing import Any
 
-from ..core.results import first_line
+from ..core.rendering import first_line
 from ..tracking.compiled import compiled_anywhere, expects_compiled
 
 __all__: list[str] = []  # the magics' own helpers

@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 from ..core import _env
 from ..core.charts import figure_png, history_figure, timeline_figure
-from ..core.results import History, MemoryResult, report_html, stacked_bar_html
+from ..core.rendering import stacked_bar_html
+from ..core.results import History, MemoryResult, report_html
 
 __all__ = ["show_result", "show_line", "show_history", "show_timeline", "report_widget", "GaugeView", "clear_gauge"]
 

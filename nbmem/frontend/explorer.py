@@ -20,7 +20,7 @@ from ..estimation.finetune import AS_BUILT, check_trainable, trainable_label
 from ..estimation.quantization import SHORTHANDS, quantization_label
 from ..estimation.finetune import PRESETS as TRAINABLE_PRESETS
 from ..estimation.parallel import STRATEGIES, check_parallel
-from ..core.results import stacked_bar_html
+from ..core.rendering import stacked_bar_html
 from ..core.units import format_bytes
 from ..estimation.userstep import check_step
 from ..whatif.sweep import real_mode, run_configuration

@@ -21,7 +21,8 @@ from .cell_snapshots import records_pytorch_history
 from .cells import _CELL_CALL, _compiled, _expects_compiled
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..tracking.history import AllocatorHistory
-from ..core.results import History, MemoryResult, first_line
+from ..core.rendering import first_line
+from ..core.results import History, MemoryResult
 from ..tracking.scope import Backend, MemoryScope, resolve_backend
 from .live_gauge import CELL_DELAY, LiveGauge, capacity_of, virtual_label
 from .options import ACTIONS, read_options

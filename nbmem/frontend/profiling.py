@@ -26,7 +26,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ..core.results import CELL_COLUMNS, MemoryResult, cell_figures, first_line, shorten, text_table
+from ..core.rendering import first_line, shorten, text_table
+from ..core.results import CELL_COLUMNS, MemoryResult, cell_figures
 from ..core.units import format_bytes
 
 # Keep this module light: `nbmem --help` imports it and must not pay for

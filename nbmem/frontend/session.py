@@ -15,7 +15,8 @@ from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 from ..core import _env
-from ..core.results import History, MemoryResult, first_line
+from ..core.rendering import first_line
+from ..core.results import History, MemoryResult
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..tracking.history import AllocatorHistory
 from ..tracking.scope import Backend, Engine, MemoryScope, resolve_backend

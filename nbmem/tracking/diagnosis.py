@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from .categories import BACKWARD
-from ..core.results import MemoryResult, text_table
+from ..core.rendering import text_table
+from ..core.results import MemoryResult
 from .tracker import Tracker
 from ..core.units import format_bytes, parse_bytes
 

@@ -10,7 +10,7 @@ from ..estimation.estimate import Estimate
 from ..estimation.finetune import trainable_label
 from ..estimation.quantization import quantization_label
 from ..estimation.userstep import BUILT_IN
-from ..core.results import text_table
+from ..core.rendering import text_table
 from ..core.units import format_bytes
 
 __all__ = ["Comparison", "SweepRow", "AXES"]
