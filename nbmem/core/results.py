@@ -11,8 +11,7 @@ import html
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator, Literal, Sequence
 
-from .charts import COLOURS
-from .rendering import first_line, format_seconds, shorten, stacked_bar_html, text_table
+from .rendering import format_seconds, shorten, stacked_bar_html, text_table
 from .units import format_bytes
 
 __all__ = ["MemoryResult", "Breakdown", "report_html", "CATEGORIES", "History", "MODES", "CELL_COLUMNS", "cell_figures"]
