@@ -220,8 +220,8 @@ def test_where_an_estimate_differs_from_its_steps_allocator_history_the_h100_cho
         replayed: list[dict[str, Any]]) -> None:
     """misses.json holds the H100's allocator history of 6 of these steps (recorded in another process than the
     campaign's). Replayed through nbmem's allocator simulation with segments ordered as they were made (as an
-    estimate orders them: it can't know the addresses), each history's events give the estimate's peak to the byte:
-    the estimate made the H100's allocations. Against the history's own max_memory_allocated, 3 differ (bf16 Llama
+    estimate orders them: it can't know the addresses), each history's events give the estimate's peak to the byte
+    (benchmarks/bench_history_replay.py: at their peaks the same allocations, size for size). Against the history's own max_memory_allocated, 3 differ (bf16 Llama
     -0.28 %, GPT-2's checkpointed steps +0.56 % and +1.35 %): of equal free blocks CUDA hands out the lowest
     address, and cudaMalloc's addresses are not in the order the segments were made (the process had freed others
     before); at the H100's own addresses the replay gives its figure (test_snapshot)."""

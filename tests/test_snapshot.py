@@ -83,6 +83,71 @@ def test_a_trace_counts_the_blocks_the_allocator_gave_not_the_bytes_asked_for():
     assert sum(bytes_ > 0 for bytes_ in short.values()) == 6 and max(short.values()) == 9_175_040, short
 
 
+def _trace_snapshot(trace: list[dict], segments: list[dict]) -> "nbmem.core.snapshot.Snapshot":
+    return load_snapshot(io.BytesIO(pickle.dumps({"segments": segments, "device_traces": [trace]})))
+
+
+def _entry(action: str, address: int, size: int, stream: int = 0) -> dict:
+    return {"action": action, "addr": address, "size": size, "stream": stream}
+
+
+def _segment(address: int, blocks: list[tuple[int, int, bool]], stream: int = 0) -> dict:
+    return {"device": 0, "address": address, "total_size": 20 * MiB, "stream": stream, "segment_type": "large",
+            "allocated_size": sum(size for _, size, alive in blocks if alive),
+            "blocks": [{"address": at, "size": size, "state": "active_allocated" if alive else "inactive"}
+                       for at, size, alive in blocks]}
+
+
+FIRST, SECOND = 0x7F0000000000, 0x7F0040000000
+LARGE, SMALLER = 18 * MiB + MiB // 2, MiB + MiB // 4  # a 1.5 MiB rest is split off; a 1.25 MiB request in it isn't
+
+
+def test_a_request_the_replay_puts_elsewhere_than_the_allocator_counts_as_asked_and_says_so():
+    """Found in review: where the replay can't put a request where the allocator did, its block is not known. Two
+    streams (each has its own free blocks; the simulation has one), and a recording begun with blocks cached from
+    before (the first request went into a segment the replay never saw): the 1.25 MiB request went into a new
+    segment, where the replay would have given it the 1.5 MiB rest of the first whole. Counted as asked, the peak
+    is the allocator's, and the result says how many were counted so."""
+    streams = _trace_snapshot(
+        [_entry("segment_alloc", FIRST, 20 * MiB), _entry("alloc", FIRST, LARGE),
+         _entry("segment_alloc", SECOND, 20 * MiB, 1), _entry("alloc", SECOND, SMALLER, 1)],
+        [_segment(FIRST, [(FIRST, LARGE, True), (FIRST + LARGE, 20 * MiB - LARGE, False)]),
+         _segment(SECOND, [(SECOND, SMALLER, True), (SECOND + SMALLER, 20 * MiB - SMALLER, False)], 1)])
+    result = streams.result()
+    assert (result.peak_allocated, result.allocated_before) == (LARGE + SMALLER, 0)
+    assert "it put 1 of 2 elsewhere (recording began with blocks cached from before, or several streams)" in str(result)
+    cached = _trace_snapshot(
+        [_entry("alloc", FIRST + 3 * MiB // 2, LARGE), _entry("segment_alloc", SECOND, 20 * MiB),
+         _entry("alloc", SECOND, SMALLER), _entry("free_completed", SECOND, SMALLER)],
+        [_segment(FIRST, [(FIRST, 3 * MiB // 2, True), (FIRST + 3 * MiB // 2, LARGE, True)]),
+         _segment(SECOND, [(SECOND, 20 * MiB, False)])])
+    assert (cached.peak_allocated, cached.allocated_at_start) == (3 * MiB // 2 + LARGE + SMALLER, 3 * MiB // 2)
+
+
+def test_nbmems_own_file_reads_back_what_it_counted_not_the_allocators_blocks(tmp_path):
+    """Found in review: a tracked block counts its storages; the file it writes places them with nbmem's
+    simulation, which would give the 1.25 MiB storage a 1.5 MiB rest whole: read back, the figures are the
+    block's own."""
+    with nbmem.track("cpu", timeline=True) as scope:
+        first = torch.empty(LARGE, dtype=torch.uint8)
+        second = torch.empty(SMALLER, dtype=torch.uint8)
+        del second, first
+    scope.result.to_snapshot(str(tmp_path / "t.pickle"))
+    back = load_snapshot(tmp_path / "t.pickle").result()
+    assert back.peak_allocated == scope.result.peak_allocated == LARGE + SMALLER
+
+
+def test_allocator_settings_it_cant_read_still_load_and_the_replay_says_how_to_go_on():
+    snapshot = load_snapshot(io.BytesIO(pickle.dumps({
+        "segments": [], "allocator_settings": {"max_split_size": "x"},
+        "device_traces": [[_entry("segment_alloc", FIRST, 2 * MiB), _entry("alloc", FIRST, 600)]]})))
+    assert snapshot.peak_allocated == 1024
+    with pytest.raises(SnapshotError, match=r'can\'t be read .*snapshot.replay\("expandable_segments:True"\)'):
+        snapshot.replay()
+    what_if = snapshot.replay("expandable_segments:True")
+    assert (what_if.real_settings, what_if.simulated_peak_reserved) == ("unreadable", 2 * MiB)
+
+
 def test_a_what_if_on_one_real_trace_gives_what_the_other_setting_really_reserved():
     # the same MLP step ran twice on the H100, with and without expandable segments: each trace, replayed under
     # the other run's setting, reserves what the other run really did (262,144,000 B = 12 x 20 MiB + 5 x 2 MiB)

@@ -113,6 +113,8 @@ class _Segment:
     page: int = 0
     #: the address space it takes: its size, or an expandable segment's whole reserved range
     span: int = 0
+    #: where it lies: the real address of the request it was made for (malloc's ``address``), None where unknown
+    address: int | None = None
 
 
 @dataclass
@@ -210,6 +212,14 @@ class CachingAllocatorSimulation:
         block = self._blocks.get(key)
         return default if block is None else block.size
 
+    def address(self, key: object) -> int | None:
+        """Where the live allocation under ``key`` lies: its segment's address (that of the request the segment was
+        made for, where malloc was given one) and its offset there; None where that is unknown."""
+        block = self._blocks.get(key)
+        if block is None or block.segment.address is None:
+            return None
+        return block.segment.address + block.offset
+
     def free(self, key: object) -> None:
         block = self._blocks.pop(key, None)
         if block is None:
@@ -299,7 +309,7 @@ class CachingAllocatorSimulation:
             return self._expandable_block(small, size, force)
         if not force and self.capacity is not None and self.reserved + wanted > self.capacity:
             return None
-        segment = _Segment(wanted, small, self._number(), span=wanted)
+        segment = _Segment(wanted, small, self._number(), span=wanted, address=self._address)
         block = _Block(segment, 0, wanted)
         segment.first = block
         self._segments.append(segment)
@@ -335,7 +345,8 @@ class CachingAllocatorSimulation:
                 return start
         page = SMALL_BUFFER if small else LARGE_BUFFER
         space = _NO_CAPACITY_ADDRESS_SPACE if self.capacity is None else self.capacity + self.capacity // 8
-        segment = _Segment(0, small, self._number(), page=page, span=-(-space // page) * page)
+        segment = _Segment(0, small, self._number(), page=page, span=-(-space // page) * page,
+                           address=self._address)
         block = _Block(segment, 0, segment.span, mapped=False)
         segment.first = block
         self._segments.append(segment)

@@ -21,8 +21,10 @@ checks its shape, and gives a :class:`Snapshot`: the trace's figures as a
 records the bytes asked for, and a block's, which the allocator counts, is what
 nbmem's simulation gives at the trace's addresses: CUDA hands out the lowest
 address among equal free blocks. ``max_memory_allocated()`` to the byte in the
-12 H100 traces at hand, where rounding each request up to 512 B was up to 9 MiB
-short in 6 of them), the blocks alive with the line of Python that made each, what they were for where the
+12 H100 traces at hand, where rounding each request up to 512 B was up to
+9.2 MB short in 6 of them; a request the simulation can't put where the
+allocator did, from a recording begun with blocks cached or on several
+streams, counts as asked, and the result says how many), the blocks alive with the line of Python that made each, what they were for where the
 frames tell, fragmentation, the out-of-memory error the trace ends with, and
 :meth:`Snapshot.replay` through nbmem's allocator simulation, compared
 segment for segment with the real one.
@@ -45,7 +47,7 @@ import pickle
 from dataclasses import dataclass
 from typing import IO, Any
 
-from .allocator import CachingAllocatorSimulation
+from .allocator import SMALL_SIZE, CachingAllocatorSimulation
 from .allocator_settings import AllocatorSettings, resolve_alloc_conf, settings_from_snapshot
 from .results import MemoryResult
 from .units import format_bytes, round_allocation
@@ -212,15 +214,15 @@ def load_snapshot(source: str | os.PathLike[str] | IO[bytes], device: int | None
             "torch.cuda.memory._record_memory_history() called before the work, on this device?)"
         )
     try:
-        snapshot = Snapshot(name, device, segments, trace, dict(data.get("allocator_settings") or {}))
+        written_by = data.get("nbmem")
+        snapshot = Snapshot(name, device, segments, trace, dict(data.get("allocator_settings") or {}),
+                            dict(written_by) if isinstance(written_by, dict) else None)
         snapshot.blocks()
     except (AttributeError, TypeError, ValueError, KeyError) as error:
         raise SnapshotError(
             f"{name} has a snapshot's keys but not its contents ({type(error).__name__}: {error}): segments and trace "
             "entries must be dicts with numeric sizes, as torch.cuda.memory._snapshot() writes them"
         ) from None
-    written_by = data.get("nbmem")
-    snapshot.source = dict(written_by) if isinstance(written_by, dict) else None
     return snapshot
 
 
@@ -274,10 +276,10 @@ class Snapshot:
     """
 
     def __init__(self, name: str, device: int, segments: list[dict[str, Any]], trace: list[dict[str, Any]],
-                 settings: dict[str, Any]) -> None:
+                 settings: dict[str, Any], source: dict[str, Any] | None = None) -> None:
         self.name, self.device, self.settings = name, device, settings
         #: how nbmem measured a block it wrote itself (result.to_snapshot): mode, device, label; None for PyTorch's
-        self.source: dict[str, Any] | None = None
+        self.source = source
         self._segments, self._trace = segments, trace
         self.reserved = sum(int(segment.get("total_size", 0)) for segment in segments)
         self.allocated = sum(int(segment.get("allocated_size", 0)) for segment in segments)
@@ -285,8 +287,24 @@ class Snapshot:
         born: set[int] = set()
         self._named: dict[int, str] = {}  # address -> the category its alloc entry names (nbmem's exports do)
         # an alloc's size is what was asked for; the allocator counts the block it gave, which is that rounded up to
-        # 512 B, or more where the rest of a free block was too small to split: the replay's, at the real addresses
-        self._block_sizes = self._replayed(settings_from_snapshot(settings))[1]
+        # 512 B, or more where the rest of a free block was too small to split: the replay's, where it put the request
+        # where the allocator did (not so where recording began with blocks cached, or with several streams: those
+        # count as rounded, and the result says how many). nbmem's own files hold what they counted, as written.
+        self._block_sizes: dict[int, int] = {}
+        self._misplaced = 0
+        try:
+            recorded = settings_from_snapshot(settings) if source is None else None
+        except (TypeError, ValueError):
+            recorded = None  # settings it can't read: requests counted as asked (replay() says so)
+        if recorded is not None:
+            for index, (block, where) in self._replayed(recorded)[1].items():
+                # a small pool's block, or any with expandable segments, is split down to the rounded request
+                # wherever it lies; a large pool's rest of 1 MiB or less is not, so there the place matters
+                if (where == trace[index].get("addr") or recorded.expandable_segments
+                        or block <= SMALL_SIZE):
+                    self._block_sizes[index] = block
+                else:
+                    self._misplaced += 1
         made: dict[Any, int] = {}
         for index, entry in enumerate(trace):
             action, size = entry.get("action"), round_allocation(int(entry.get("size", 0)))
@@ -366,11 +384,16 @@ class Snapshot:
                         f"holds the tensors nbmem tracked beside it, {format_bytes(seen)} at their peak"
                         + (f": {format_bytes(measured - seen)} the allocator gave out beside them (library "
                            "workspaces, buffers outside tensors) is not in it" if measured > seen else ""))
-        if self._unlike:
+        if self._misplaced or self._unlike:
+            allocs = sum(1 for entry in self._trace if entry.get("action") == "alloc")
             notes.append(
-                f"the trace records the bytes asked for; the blocks counted are those nbmem's allocator simulation gives "
-                f"at the trace's addresses, and {self._unlike} alive at the end differ from the snapshot's own: the "
-                "peak may be off by their difference")
+                "the trace records the bytes asked for; the blocks counted are those nbmem's allocator simulation gives "
+                "where it put a request as the allocator did"
+                + (f"; it put {self._misplaced} of {allocs} elsewhere (recording began with blocks cached from before, "
+                   "or several streams), counted as their bytes rounded up to 512 B, which may be less than their "
+                   "blocks" if self._misplaced else "")
+                + (f"; {self._unlike} blocks alive at the end differ from the snapshot's own" if self._unlike else "")
+                + ": the peak may be off by the difference")
         if self.oom is not None:
             notes.append(
                 f"the trace ends in an out-of-memory error: {format_bytes(int(self.oom.get('size', 0)))} asked for with "
@@ -458,8 +481,17 @@ class Snapshot:
         PYTORCH_ALLOC_CONF string such as ``"expandable_segments:True"``), what
         the same allocations would have reserved under those settings instead.
         """
-        recorded = settings_from_snapshot(self.settings)
-        settings = recorded if alloc_conf is None else resolve_alloc_conf(alloc_conf)
+        recorded: AllocatorSettings | None = None
+        try:
+            recorded = settings_from_snapshot(self.settings)
+        except (TypeError, ValueError) as error:
+            if alloc_conf is None:
+                raise SnapshotError(
+                    f"{self.name}'s allocator_settings can't be read ({error}): they are not what PyTorch writes. "
+                    "Replay under the settings the run used, as a string: snapshot.replay(\"expandable_segments:True\")"
+                ) from None
+        settings = resolve_alloc_conf(alloc_conf) if alloc_conf is not None else recorded
+        assert settings is not None
         notes = []
         if self.allocated_at_start:
             notes.append(f"{format_bytes(self.allocated_at_start)} was allocated before recording began: not replayed")
@@ -469,20 +501,24 @@ class Snapshot:
             real_segments=len(self._segments), simulated_segments=sum(1 for segment in simulation._segments if segment.size),
             real_reserved=self.reserved, simulated_reserved=simulation.reserved,
             real_peak_reserved=self.peak_reserved, simulated_peak_reserved=simulation.peak_reserved, notes=tuple(notes),
-            real_settings=str(recorded) or "defaults", simulated_settings=str(settings) or "defaults",
+            real_settings="unreadable" if recorded is None else (str(recorded) or "defaults"),
+            simulated_settings=str(settings) or "defaults",
             simulated_peak_allocated=simulation.peak_allocated,
         )
 
-    def _replayed(self, settings: AllocatorSettings) -> tuple[CachingAllocatorSimulation, dict[int, int]]:
+    def _replayed(self, settings: AllocatorSettings) -> tuple[CachingAllocatorSimulation,
+                                                              dict[int, tuple[int, int | None]]]:
         """The trace through the simulation, each request at the address the real allocator gave it (which of equal
-        free blocks CUDA hands out follows the addresses); and the block each alloc entry got, by its index."""
+        free blocks CUDA hands out follows the addresses); and for each alloc entry, by its index, the block it got
+        and where the simulation put it."""
         simulation = CachingAllocatorSimulation(settings=settings)
         blocks = {}
         for index, entry in enumerate(self._trace):
             action, address = entry.get("action"), entry.get("addr")
             if action == "alloc":
-                blocks[index] = simulation.malloc(address, int(entry.get("size", 0)),
-                                                  address if isinstance(address, int) and address >= 0 else None)
+                block = simulation.malloc(address, int(entry.get("size", 0)),
+                                          address if isinstance(address, int) and address >= 0 else None)
+                blocks[index] = (block, simulation.address(address))
             elif action == "free_completed":
                 simulation.free(address)
             elif action in ("segment_free", "segment_unmap"):
