@@ -112,6 +112,19 @@ def test_the_block_can_be_named_as_a_class_a_name_or_a_predicate(block):
     assert any("(6), then the rest" in note for note in sharded.notes)
 
 
+@pytest.mark.parametrize("checkpointing, fix", [
+    ("no", "pass checkpointing=False"), ("off", "pass checkpointing=False"), ("yes", "pass checkpointing=True"),
+    ("EncoderBlock", "pass checkpointing=True, block='EncoderBlock' to checkpoint each block of that class"),
+    (EncoderBlock, "checkpointing=EncoderBlock is a class: to checkpoint each such block, pass checkpointing=True, "
+                   "block=EncoderBlock"),
+    (2, "pass True (each repeated block), False, or a predicate")])
+def test_checkpointing_is_true_false_or_a_predicate_and_anything_else_says_what_to_pass(checkpointing, fix):
+    # a newcomer's walk through the docs: checkpointing="no" estimated with every block checkpointed
+    with pytest.raises(ValueError) as caught:
+        nbmem.estimate(VisionTransformer, tokens, batch_size=2, checkpointing=checkpointing)
+    assert fix in str(caught.value)
+
+
 def test_a_block_that_is_not_there_or_not_a_block_says_what_to_pass():
     with pytest.raises(ValueError, match=r"block='DecoderLayer' names no module of this model; .*EncoderBlock"):
         nbmem.estimate(VisionTransformer, tokens, batch_size=2, checkpointing=True, block="DecoderLayer")

@@ -110,7 +110,8 @@ def test_parse_capacity_sizes():
     assert parse_capacity("16GiB") == (17179869184, "16GiB")  # 16 * 2**30
     assert parse_capacity(" 1.5 GB ") == (1_500_000_000, "1.5 GB")  # decimal GB: 1.5 * 10**9
     assert parse_capacity("512 MiB") == (512 * MIB, "512 MiB")  # 536870912
-    assert parse_capacity(4096) == (4096, "4.00 KiB")  # bare bytes are labelled in binary units
+    assert parse_capacity(4 * MIB) == (4 * MIB, "4.00 MiB")  # bare bytes are labelled in binary units
+    assert parse_capacity("1048576") == (MIB, "1.00 MiB")  # the least a bare number may be
 
 
 def test_parse_capacity_presets():
@@ -180,3 +181,19 @@ def test_a_fraction_without_a_unit_is_refused_not_rounded_to_bytes():
         parse_capacity("1.5")
     assert parse_capacity("1.5GiB") == (1536 * 2**20, "1.5GiB")
     assert parse_capacity(16e9)[0] == 16_000_000_000  # a float from code is a size, as before
+
+
+@pytest.mark.parametrize("value, fix", [
+    ("4090", "Did you mean 'RTX-4090'? Give a GPU preset, or a size with its unit such as '24GiB'"),
+    ("3090", "Did you mean 'RTX-3090'? Give a GPU preset, or a size with its unit such as '24GiB'"),
+    (16, "Give a size with its unit, e.g. '16GiB' or '16GB', or a GPU preset"),
+    ("80", "Give a size with its unit, e.g. '80GiB' or '80GB', or a GPU preset")])
+def test_a_gpus_number_or_a_size_without_its_unit_is_refused_not_read_as_bytes(value, fix):
+    """device="4090" estimated against 4,090 bytes: "does NOT fit: 160 MiB of 3.99 KiB", and max_batch_size
+    answered 0 (a newcomer's walk through the docs). A bare number under 1 MiB is refused, saying what to write."""
+    from nbmem.core.devices import parse_capacity
+
+    with pytest.raises(ValueError) as caught:
+        parse_capacity(value)
+    assert str(caught.value).startswith(f"a capacity of {value!r} without a unit would be {int(value)} bytes, surely "
+                                        f"not meant. {fix} (presets: T4, ")

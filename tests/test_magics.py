@@ -121,6 +121,8 @@ def test_composes_with_time(shell, order):
     assert result.success and result.result == 5
     assert "Wall time" in captured.stdout
     assert nbmem.history(shell)[-1].retained == 4 * MiB
+    # labelled by its code, not by %%time (a newcomer's walk through the docs found "%%time" in the history)
+    assert nbmem.history(shell)[-1].label == "w = torch.zeros(1024, 1024)"
 
 
 def test_a_gpumem_cell_under_time_is_measured_once_under_gpumem_on(shell):

@@ -179,7 +179,14 @@ def test_the_callback_records_each_step(tmp_path):
     # from then on nothing new lives on but those two scalars, replaced each step (and at times dropped between steps)
     assert all(abs(result.retained) <= 2 * 512 for result in steps[1:])
     assert steps[1].peak_allocated > steps[0].peak_allocated - steps[0].retained  # the state is there at each peak
-    assert callback.summary().startswith("gpumem: 3 training steps tracked on cpu; the highest, training step ")
+    most = max(steps, key=lambda result: result.peak_allocated)  # the first of equals, as max gives it
+    highest = max(steps, key=lambda result: result.peak)
+    alike = sum(result.peak == highest.peak for result in steps) - 1
+    assert callback.summary() == (
+        f"gpumem: 3 training steps tracked on cpu; the most in use, {nbmem.format_bytes(most.peak_allocated)}, at "
+        f"{most.label}; the largest rise above a step's start, {nbmem.format_bytes(highest.peak)}, at {highest.label}"
+        + (f" (as in {alike} more)" if alike else "") + "; callback.history has each")
+    assert most.label != "training step 1"  # the first step's peak comes before its optimizer state is all there
 
 
 def test_an_interrupted_training_leaves_nothing_installed(tmp_path):
@@ -220,3 +227,17 @@ def test_in_a_notebook_the_cells_end_closes_an_interrupted_step(shell, tmp_path)
     assert not default_tracker("cpu").active  # closed when the cell ended
     assert callback.meter._cell_ended not in shell.events.callbacks["post_run_cell"]  # and nothing of it left behind
     shell.run_cell("del trainer")
+
+
+def test_a_deepspeed_configuration_or_a_batch_where_a_function_goes_says_what_to_pass(tmp_path):
+    """A newcomer's walk through the docs: a DeepSpeed configuration passed as the arguments, and a batch passed
+    where the function making one goes, failed with bare TypeErrors."""
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}}
+    with pytest.raises(TypeError, match=r"They look like a DeepSpeed configuration: pass it as TrainingArguments' "
+                                        r"deepspeed=, e.g. \{'deepspeed': config"):
+        nbmem.estimate_trainer(config, model=build, batch=tokens)
+    with pytest.raises(TypeError, match=r"batch must be a function that takes a batch size .* got a dict"):
+        nbmem.estimate_trainer(arguments(tmp_path), model=build, batch=tokens(4))
+    with pytest.raises(TypeError, match=r"got a Tensor: nbmem makes a batch of each size it tries"):
+        nbmem.estimate(build, torch.randint(0, 128, (4, 32)), batch_size=4)
+

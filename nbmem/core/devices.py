@@ -370,7 +370,8 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
     """Read ``--capacity``: a size or a GPU preset -> ``(bytes, label)``.
 
     The label is the preset's name, or the size as written; a bare number of
-    bytes is labelled in binary units, so it reads as a size. Sizes go through
+    bytes is labelled in binary units, so it reads as a size (and must be 1 MiB or
+    more: "4090" or 16 is a GPU's name or a size in GB missing its unit). Sizes go through
     :func:`nbmem.core.units.parse_bytes`: binary units (KiB, MiB, GiB) are powers of
     1024, decimal units (KB, MB, GB) powers of 1000, a bare number is bytes.
 
@@ -378,8 +379,8 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
     (17179869184, '16GiB')
     >>> parse_capacity("1.5 GB")
     (1500000000, '1.5 GB')
-    >>> parse_capacity(4096)
-    (4096, '4.00 KiB')
+    >>> parse_capacity(4194304)
+    (4194304, '4.00 MiB')
     >>> parse_capacity("158437212")
     (158437212, '151 MiB')
     >>> parse_capacity("t4")
@@ -404,7 +405,18 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
         label = format_bytes(nbytes) if text.isdigit() else text
     if nbytes <= 0:
         raise ValueError(f"a capacity must be more than 0 bytes, got {value!r}")
+    if nbytes < _SMALLEST_BARE and (isinstance(value, int) or str(value).strip().isdigit()):
+        # "4090", 16 or 80: a GPU's model number or a size in GB, which a number without a unit would make bytes
+        text, hint = str(value).strip(), _did_you_mean(str(value).strip())
+        fix = (" Give a GPU preset, or a size with its unit such as '24GiB'" if hint else
+               f" Give a size with its unit, e.g. '{text}GiB' or '{text}GB', or a GPU preset")
+        raise ValueError(f"a capacity of {value!r} without a unit would be {nbytes} bytes, surely not meant.{hint}{fix} "
+                         f"(presets: {_names()})")
     return nbytes, label
+
+
+#: A capacity given as a bare number of bytes must be at least this (1 MiB): below it, a unit or a name was meant
+_SMALLEST_BARE = 1 << 20
 
 
 def _unreadable(value: object) -> str:

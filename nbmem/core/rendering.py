@@ -50,15 +50,16 @@ def format_seconds(seconds: float) -> str:
 
 
 def first_line(source: str) -> str:
-    r"""The first non-blank line of a cell, stripped: how nbmem labels a cell.
+    r"""The first non-blank line of a cell, stripped: how nbmem labels a cell; a cell magic's line (``%%time``)
+    only where nothing else is there.
 
     >>> first_line("\n  loss.backward()\nopt.step()")
     'loss.backward()'
+    >>> first_line("%%time\ntrain(64)")
+    'train(64)'
     """
-    for line in source.splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
+    lines = [line.strip() for line in source.splitlines() if line.strip()]
+    return next((line for line in lines if not line.startswith("%%")), lines[0] if lines else "")
 
 
 def shorten(text: str, width: int) -> str:

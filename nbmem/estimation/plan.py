@@ -148,6 +148,7 @@ class Plan:
                    parallel=self.parallel, precision=self.precision)
         check_trainable(self.trainable)
         check_block(self.block)
+        _check_checkpointing(self.checkpointing)
         check_saves(self.checkpoint_saves, self.checkpointing)
         self._check_zero_grad()
         self._check_in_backward()
@@ -394,3 +395,22 @@ def run_device(mode: str) -> torch.device:
             "mode='tracked' (a real run on this CPU, every tensor accounted) or 'estimated'"
         )
     return device
+
+
+def _check_checkpointing(checkpointing: Any) -> None:
+    """checkpointing= is True, False or a predicate over modules: "no" was read as on (a newcomer's walk through the
+    docs), and a block's class is named with block=."""
+    if isinstance(checkpointing, type):
+        raise ValueError(f"checkpointing={checkpointing.__name__} is a class: to checkpoint each such block, pass "
+                         f"checkpointing=True, block={checkpointing.__name__}")
+    if isinstance(checkpointing, bool) or callable(checkpointing):
+        return
+    if isinstance(checkpointing, str):
+        word = checkpointing.strip().lower()
+        fix = ("checkpointing=False" if word in ("no", "off", "false", "none", "0", "") else
+               "checkpointing=True" if word in ("yes", "on", "true", "1") else
+               f"checkpointing=True, block={checkpointing!r} to checkpoint each block of that class")
+        raise ValueError(f"checkpointing={checkpointing!r} is a string: pass {fix}")
+    raise ValueError(f"checkpointing={checkpointing!r}: pass True (each repeated block), False, or a predicate that "
+                     "takes a module and says whether to checkpoint it")
+

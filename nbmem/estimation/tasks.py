@@ -104,6 +104,12 @@ def sized_batch(batch: Callable[..., Any] | None, prompt_length: int | None) -> 
     """
     if batch is None:
         return _no_batch
+    if not callable(batch):
+        # a batch itself, where a function making one was meant (a newcomer's walk through the docs)
+        raise TypeError(
+            f"batch must be a function that takes a batch size and returns the model's input, got a "
+            f"{type(batch).__name__}: nbmem makes a batch of each size it tries, e.g. "
+            "batch=lambda n: torch.randn(n, 1024) (or lambda n: {'input_ids': ..., 'labels': ...})")
     if prompt_length is None:
         return batch
     try:

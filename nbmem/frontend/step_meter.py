@@ -51,14 +51,18 @@ class StepMeter:
         _record_in_session(result)
 
     def summary(self) -> str:
-        """One line: how many steps, how measured, and the step that rose highest above its start."""
+        """One line: how many steps, how measured, the step with the most in use at its peak, and the one that rose
+        highest above its start (often the first, which makes the optimizer's state; the others alike named)."""
         results = list(self.history)
         if not results:
             return f"gpumem: no {self.what} recorded"
+        most = max(results, key=lambda result: result.peak_allocated)
         highest = max(results, key=lambda result: result.peak)
-        return (f"gpumem: {len(results)} {self.what} {highest.mode} on {highest.device}; the highest, {highest.label}, "
-                f"peaked {format_bytes(highest.peak)} above its start ({format_bytes(highest.peak_allocated)} in use); "
-                "callback.history has each")
+        alike = sum(result.peak == highest.peak for result in results) - 1
+        return (f"gpumem: {len(results)} {self.what} {most.mode} on {most.device}; the most in use, "
+                f"{format_bytes(most.peak_allocated)}, at {most.label}; the largest rise above a step's start, "
+                f"{format_bytes(highest.peak)}, at {highest.label}" + (f" (as in {alike} more)" if alike else "")
+                + "; callback.history has each")
 
     def close(self) -> None:
         """Stop a step's scope that is still open and stop watching cells."""

@@ -424,7 +424,11 @@ def _checked_keys(arguments: Mapping[str, Any]) -> Mapping[str, Any]:
     if wrong:
         hints = [f"{key!r}" + (f" (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(key, fields, 1))
                                else "") for key in wrong]
-        raise TypeError(f"not TrainingArguments settings: {', '.join(hints)}")
+        deepspeed = {"zero_optimization", "train_micro_batch_size_per_gpu", "train_batch_size", "zero_allow_untested_optimizer",
+                     "gradient_clipping", "steps_per_print", "wall_clock_breakdown"} & set(wrong)
+        more = (". They look like a DeepSpeed configuration: pass it as TrainingArguments' deepspeed=, e.g. "
+                "{'deepspeed': config, 'per_device_train_batch_size': 8, 'bf16': True}" if deepspeed else "")
+        raise TypeError(f"not TrainingArguments settings: {', '.join(hints)}{more}")
     return arguments
 
 
