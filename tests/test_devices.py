@@ -187,6 +187,7 @@ def test_a_fraction_without_a_unit_is_refused_not_rounded_to_bytes():
     ("4090", "Did you mean 'RTX-4090'? Give a GPU preset, or a size with its unit such as '24GiB'"),
     ("3090", "Did you mean 'RTX-3090'? Give a GPU preset, or a size with its unit such as '24GiB'"),
     (16, "Give a size with its unit, e.g. '16GiB' or '16GB', or a GPU preset"),
+    (4090, "Did you mean 'RTX-4090'? Give a GPU preset, or a size with its unit such as '24GiB'"),
     ("80", "Give a size with its unit, e.g. '80GiB' or '80GB', or a GPU preset")])
 def test_a_gpus_number_or_a_size_without_its_unit_is_refused_not_read_as_bytes(value, fix):
     """device="4090" estimated against 4,090 bytes: "does NOT fit: 160 MiB of 3.99 KiB", and max_batch_size
@@ -195,5 +196,6 @@ def test_a_gpus_number_or_a_size_without_its_unit_is_refused_not_read_as_bytes(v
 
     with pytest.raises(ValueError) as caught:
         parse_capacity(value)
+    assert parse_capacity(65536) == (65536, "64.0 KiB")  # an int from code may be a tiny test device
     assert str(caught.value).startswith(f"a capacity of {value!r} without a unit would be {int(value)} bytes, surely "
                                         f"not meant. {fix} (presets: T4, ")

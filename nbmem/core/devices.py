@@ -370,8 +370,9 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
     """Read ``--capacity``: a size or a GPU preset -> ``(bytes, label)``.
 
     The label is the preset's name, or the size as written; a bare number of
-    bytes is labelled in binary units, so it reads as a size (and must be 1 MiB or
-    more: "4090" or 16 is a GPU's name or a size in GB missing its unit). Sizes go through
+    bytes is labelled in binary units, so it reads as a size (typed as text it must
+    be 1 MiB or more, an int 1 KiB or more and no preset's number: "4090" or 16 is
+    a GPU's name or a size in GB missing its unit). Sizes go through
     :func:`nbmem.core.units.parse_bytes`: binary units (KiB, MiB, GiB) are powers of
     1024, decimal units (KB, MB, GB) powers of 1000, a bare number is bytes.
 
@@ -405,9 +406,14 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
         label = format_bytes(nbytes) if text.isdigit() else text
     if nbytes <= 0:
         raise ValueError(f"a capacity must be more than 0 bytes, got {value!r}")
-    if nbytes < _SMALLEST_BARE and (isinstance(value, int) or str(value).strip().isdigit()):
-        # "4090", 16 or 80: a GPU's model number or a size in GB, which a number without a unit would make bytes
-        text, hint = str(value).strip(), _did_you_mean(str(value).strip())
+    text, hint = str(value).strip(), ""
+    if isinstance(value, int) or text.isdigit():
+        hint = _did_you_mean(text) if nbytes < _SMALLEST_BARE else ""
+    # "4090", 16 or 80: a GPU's model number or a size in GB, which a number without a unit would make bytes. A
+    # number typed as text is refused under 1 MiB; one from code (an int: sizes nbmem itself passes on, a test's tiny
+    # device) only under 1 KiB or where it names a preset
+    if (text.isdigit() and not isinstance(value, int) and nbytes < _SMALLEST_BARE) or (
+            isinstance(value, int) and (nbytes < 1024 or hint)):
         fix = (" Give a GPU preset, or a size with its unit such as '24GiB'" if hint else
                f" Give a size with its unit, e.g. '{text}GiB' or '{text}GB', or a GPU preset")
         raise ValueError(f"a capacity of {value!r} without a unit would be {nbytes} bytes, surely not meant.{hint}{fix} "
@@ -415,7 +421,7 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
     return nbytes, label
 
 
-#: A capacity given as a bare number of bytes must be at least this (1 MiB): below it, a unit or a name was meant
+#: A capacity typed as a bare number of bytes must be at least this (1 MiB): below it, a unit or a name was meant
 _SMALLEST_BARE = 1 << 20
 
 
