@@ -62,7 +62,7 @@ def test_the_formula_is_the_parameters_times_their_bytes(nb11: nbformat.Notebook
     rows = re.findall(r"^(Llama\S+)\s+(full|LoRA|QLoRA|8-bit LoRA)\s+([\d.]+) GiB\s+([\d.]+) GiB\s+([\d.]+) GiB", table,
                       re.MULTILINE)
     assert len(rows) == 11, table
-    bytes_per_weight = {"full": 2, "LoRA": 2, "QLoRA": 0.5, "8-bit LoRA": 1}
+    bytes_per_weight = {"full": 16, "LoRA": 2, "QLoRA": 0.5, "8-bit LoRA": 1}
     for name, recipe, formula, estimate, reserved in rows:
         assert formula == f"{PARAMETERS[name] * bytes_per_weight[recipe] / GiB:.1f}"
         assert float(estimate) > float(formula) and float(reserved) >= float(estimate)
