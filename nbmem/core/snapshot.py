@@ -24,7 +24,8 @@ address among equal free blocks. ``max_memory_allocated()`` to the byte in the
 12 H100 traces at hand, where rounding each request up to 512 B was up to
 9.2 MB short in 6 of them; a request the simulation can't put where the
 allocator did, from a recording begun with blocks cached or on several
-streams, counts as asked, and the result says how many), the blocks alive with the line of Python that made each, what they were for where the
+streams, counts as asked, and the result says how many), the blocks alive
+with the line of Python that made each, what they were for where the
 frames tell, fragmentation, the out-of-memory error the trace ends with, and
 :meth:`Snapshot.replay` through nbmem's allocator simulation, compared
 segment for segment with the real one.
