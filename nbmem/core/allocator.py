@@ -12,7 +12,8 @@ unused tails of its segments. The rules, from c10/cuda/CUDACachingAllocator.cpp:
   and the request rounded up to 2 MiB (kRoundLarge) otherwise;
 - a request takes the smallest cached free block of its pool that fits (best
   fit; of equal ones the lowest address: here the oldest segment's, or, where
-  the real addresses are known, as in a snapshot's replay, the lowest), split when the rest is at least 512 B (small pool, or any pool with
+  the real addresses are known, as in a snapshot's replay, the lowest), split
+  when the rest is at least 512 B (small pool, or any pool with
   expandable segments) or more than 1 MiB (large pool) and the request is under
   ``max_split_size``; blocks of ``max_split_size`` or more serve only requests of
   that size or more, and only within ``max_non_split_rounding`` (20 MiB) of it;

@@ -416,8 +416,8 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
             isinstance(value, int) and (nbytes < 1024 or hint)):
         fix = (" Give a GPU preset, or a size with its unit such as '24GiB'" if hint else
                f" Give a size with its unit, e.g. '{text}GiB' or '{text}GB', or a GPU preset")
-        raise ValueError(f"a capacity of {value!r} without a unit would be {nbytes} bytes, surely not meant.{hint}{fix} "
-                         f"(presets: {_names()})")
+        raise ValueError(f"a capacity of {value!r} without a unit would be {nbytes} bytes, surely not meant."
+                         f"{hint}{fix} (presets: {_names()})")
     return nbytes, label
 
 
