@@ -394,6 +394,34 @@ def test_the_mask_note_comes_only_where_unreadable_values_built_the_mask():
         assert fake == real and notes == []
 
 
+def test_an_encoders_unpadded_mask_and_an_inference_step_say_the_mask_was_built():
+    """Found by a fuzz of estimates against tracked runs: BERT's all-ones attention_mask built a bidirectional mask on
+    fake tensors (transformers' _ignore_bidirectional_mask_sdpa can't read them) with no note, and a causal LM's
+    inference step gave none either (no autograd kernel runs there to count the masked calls)."""
+    need_zoo(vision=False)
+    from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+    bert = functools.partial(BertForSequenceClassification, BertConfig(
+        num_hidden_layers=1, hidden_size=64, num_attention_heads=2, intermediate_size=128, vocab_size=128))
+
+    def unpadded(n: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.randint(0, 128, (n, 16)), "attention_mask": torch.ones(n, 16, dtype=torch.long),
+                "labels": torch.randint(0, 2, (n,))}
+
+    gpt2 = functools.partial(GPT2LMHeadModel, GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=64))
+
+    def text(n: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 128, (n, 16))
+        return {"input_ids": ids, "attention_mask": torch.ones(n, 16, dtype=torch.long), "labels": ids}
+
+    for build, make, task in ((bert, unpadded, "train"), (bert, unpadded, "inference"), (gpt2, text, "inference")):
+        fake = estimate(build, make, batch_size=8, optimizer="sgd", task=task)
+        real = estimate(build, make, batch_size=8, optimizer="sgd", task=task, mode="tracked")
+        notes = [note for note in fake.notes if note.startswith("Hugging Face builds a (batch, 1, sequence, sequence)")]
+        assert fake.peak > real.peak and len(notes) == 1, (build, task, fake.peak, real.peak)
+        assert not any(note.startswith("Hugging Face builds") for note in real.notes)
+
+
 def test_fused_attention_wraps_transformers_mask_checks_only_while_active():
     """Both checks wrapped inside, transformers' own again after (an error in the block too); a wrapper an interrupted
     exit left is not wrapped again, and the next exit puts the original back."""

@@ -115,7 +115,7 @@ class FusedAttention(ScopedKernels):
                 check = getattr(masking, name, None)
                 if check is not None and not _ours(check):  # ours already: one an interrupted exit left
                     setattr(masking, name, functools.partial(wrapper, self, check))
-                    self._skip_wrapped |= wrapper is _causal_skip
+                    self._skip_wrapped |= wrapper is _mask_skip
         except BaseException:  # Ctrl-C: no exit will come for an enter that did not return
             self.__exit__()
             raise
@@ -293,8 +293,16 @@ class FusedAttention(ScopedKernels):
 
         ``steps`` 0: the calls were torch.compile's traces (compile=True), not a step's, and are not counted.
         """
+        # unread: a check could not read fake values and a mask was built (also under inference mode, where no
+        # kernel of this class runs, to count the calls or the masked ones)
+        mask = [
+            "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, which can't show "
+            "whether the batch's attention_mask has padding or its position_ids pack sequences: a real batch with "
+            "neither skips it, and its bytes (but grouped-query attention in fp32 without a mask runs PyTorch's "
+            "math kernel, which keeps the attention matrix: more)"
+        ] if self.hugging_face and (self.unread or (self.masked and not self._skip_wrapped)) else []
         if not self.calls:
-            return []
+            return mask
 
         def per_step(count: int, what: str) -> str:
             return f"{count // steps} {what} per step" if steps else what
@@ -322,12 +330,7 @@ class FusedAttention(ScopedKernels):
                 f"attention: {per_step(self.with_dropout, 'calls')} with dropout run without it, as CUDA's fused kernels save no "
                 "dropout mask (they regenerate it)"
             )
-        if self.hugging_face and self.masked and (self.unread or not self._skip_wrapped):
-            notes.append(
-                "Hugging Face builds a (batch, 1, sequence, sequence) attention mask on fake tensors, which can't show "
-                "whether the batch's attention_mask has padding or its position_ids pack sequences: a real batch with "
-                "neither skips it and takes that much less"
-            )
+        notes += mask
         if self.grouped_math:
             heads = "; ".join(f"{query} query heads, {key} key/value head{'s' if key > 1 else ''}"
                               for query, key in self.grouped)
@@ -426,8 +429,9 @@ def _packed_sequences(attention: FusedAttention, check: Any, position_ids: torch
     return packed
 
 
-def _causal_skip(attention: FusedAttention, check: Any, *args: Any, **kwargs: Any) -> bool:
-    """transformers' check whether SDPA's is_causal can stand in for a mask, counting the fake padding it couldn't read."""
+def _mask_skip(attention: FusedAttention, check: Any, *args: Any, **kwargs: Any) -> bool:
+    """transformers' checks whether a causal or bidirectional mask can be left to SDPA (is_causal, or none), counting
+    the fake padding they couldn't read."""
     padding = args[0] if args else kwargs.get("padding_mask")
     skip: bool = check(*args, **kwargs)
     if not skip and isinstance(padding, FakeTensor):
@@ -439,7 +443,8 @@ def _causal_skip(attention: FusedAttention, check: Any, *args: Any, **kwargs: An
 
 
 #: transformers.masking_utils' checks wrapped while a FusedAttention is active, by name.
-_CHECKS = {"find_packed_sequence_indices": _packed_sequences, "_ignore_causal_mask_sdpa": _causal_skip}
+_CHECKS = {"find_packed_sequence_indices": _packed_sequences, "_ignore_causal_mask_sdpa": _mask_skip,
+           "_ignore_bidirectional_mask_sdpa": _mask_skip}  # the last: an encoder's (BERT's), found by a fuzz test
 
 
 def check_attention(attention: Any) -> None:
