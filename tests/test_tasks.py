@@ -218,3 +218,44 @@ def test_generate_across_the_zoo_equals_a_tracked_run(name):
     tracked = nbmem.estimate(build, mode="tracked", **knobs)
     assert estimated.peak == tracked.peak and estimated.breakdown.at_peak == tracked.breakdown.at_peak
     assert estimated.kv_cache == tracked.kv_cache == (SEQUENCE - 1) * estimated.kv_cache_per_token
+
+
+class PaddedEncoder(nn.Module):
+    """nn.TransformerEncoder with a padding mask: in inference PyTorch's fast path packs the tokens in a nested
+    tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 2)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embed(ids), src_key_padding_mask=ids == 0))
+
+
+def padded_ids(n: int) -> torch.Tensor:
+    ids = torch.randint(1, 64, (n, 16))
+    ids[:, 12:] = 0
+    return ids
+
+
+def test_an_encoders_fast_path_with_a_padding_mask_is_tracked_and_estimated():
+    """Found by a fuzz of estimates against tracked runs: the nested tensor the fast path makes crashed a tracked
+    block (the tracker read its sizes, which it has none of) and both modes of an inference estimate (fake tensors
+    can't describe it either). A tracked block counts its buffer; an estimate turns the fast path off, says so, and
+    leaves PyTorch's setting as it was."""
+    model = PaddedEncoder().eval()
+    ids = padded_ids(4)
+    with torch.no_grad(), nbmem.track("cpu") as scope:
+        out = model(ids)
+    assert out.shape == (4, 16, 4) and scope.result.peak > 0
+    assert torch.backends.mha.get_fastpath_enabled()
+    fake = nbmem.estimate(PaddedEncoder, padded_ids, batch_size=4, task="inference")
+    real = nbmem.estimate(PaddedEncoder, padded_ids, batch_size=4, task="inference", mode="tracked")
+    assert fake.peak == real.peak and fake.breakdown == real.breakdown
+    assert any(note.startswith("inference: PyTorch's fast path for nn.TransformerEncoder") for note in fake.notes)
+    assert torch.backends.mha.get_fastpath_enabled()
+    plain = nbmem.estimate(lambda: nn.Sequential(nn.Linear(8, 8)), lambda n: torch.randn(n, 8), batch_size=2,
+                           task="inference")
+    assert not any("fast path" in note for note in plain.notes)  # only where the model has such layers

@@ -63,7 +63,8 @@ from ..tracking.host_counters import HostStepCounters
 from ..tracking.live import older_objects_unscanned
 from ..tracking.scope import MemoryScope, tracker_alongside_note
 from .step import run_step
-from .tasks import CacheRecord, check_generator, run_generate, run_inference, sized_batch, task_notes
+from .tasks import (CacheRecord, check_generator, run_generate, run_inference, sized_batch, standard_attention_path,
+                    task_notes)
 from .userstep import (
     AlwaysSteppingScaler,
     fake_error_message,
@@ -398,6 +399,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             for rule in (policy, attention, dropout, rnn, conv, reductions, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN and convolutions, reductions, bitsandbytes
                 if rule is not None:
                     target_rules.enter_context(rule)
+            if task != "train" and mode != "measured":
+                target_rules.enter_context(standard_attention_path(network, notes))
             if not planned and (fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM)):  # a tracked torchao optimizer too
                 # torch.compile'd code runs its own Python: Dynamo would compile under FakeTensorMode (an infra
                 # mode) and inductor's kernels would then read fake tensors' memory (a dead process, issue 23).

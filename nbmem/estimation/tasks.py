@@ -47,6 +47,7 @@ from torch import nn
 from .step import AUTOCAST_DTYPES, _forward, prepared_batch
 
 __all__ = ["TASKS", "CacheRecord", "check_task", "sized_batch", "run_inference", "run_generate", "check_generator",
+           "standard_attention_path",
            "task_notes", "task_lines"]
 
 #: What a step does: train (forward, backward, optimizer step), one inference forward pass, or generation.
@@ -254,3 +255,27 @@ def task_lines(result: Any) -> list[str]:
             f"({result.kv_cache_per_token:,} B for the whole batch)"
         )
     return lines
+
+
+#: What an inference estimate says where nn.TransformerEncoder's or nn.MultiheadAttention's fast path was turned off
+FASTPATH_NOTE = ("inference: PyTorch's fast path for nn.TransformerEncoder and nn.MultiheadAttention (fused kernels, "
+                 "a nested tensor for a padding mask) turned off for the estimate, which fake tensors can't run: "
+                 "estimated on the standard path, as in training; a real inference run on the fast path may take less")
+
+
+@contextlib.contextmanager
+def standard_attention_path(network: nn.Module, notes: list[str]) -> Any:
+    """nn.TransformerEncoder's and nn.MultiheadAttention's inference fast path turned off while an estimate runs, where
+    the model has them: with a padding mask it makes a nested tensor, which neither fake tensors nor a tracked run
+    can describe (a fuzz of estimates against tracked runs found it crash both). PyTorch's setting as it was after."""
+    if not any(isinstance(module, (nn.TransformerEncoderLayer, nn.MultiheadAttention)) for module in network.modules()):
+        yield
+        return
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        notes.append(FASTPATH_NOTE)
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
+

@@ -427,7 +427,7 @@ class Tracker(Activation, HostMemory, LiveView):
         attribution = self._attribution
         module = attribution.current_module() if attribution is not None else None
         record = StorageRecord(size, -1 if adopt else self._op_index, None if adopt else self._op, module,
-                               tuple(tensor.shape), tensor.dtype, asked)
+                               () if tensor.is_nested else tuple(tensor.shape), tensor.dtype, asked)  # a nested one has no sizes
         ref = weakref.KeyedRef(storage, self._foreign.append, key)
         self._unfinished += 1  # until the counters include it (module docstring)
         # one line, no call between the two stores: no line event (a trace function's) and no signal
