@@ -406,14 +406,13 @@ def parse_capacity(value: str | int) -> tuple[int, str]:
         label = format_bytes(nbytes) if text.isdigit() else text
     if nbytes <= 0:
         raise ValueError(f"a capacity must be more than 0 bytes, got {value!r}")
-    text, hint = str(value).strip(), ""
-    if isinstance(value, int) or text.isdigit():
-        hint = _did_you_mean(text) if nbytes < _SMALLEST_BARE else ""
+    text = str(value).strip()
+    bare = isinstance(value, int) or text.isdigit()  # a number without a unit
+    hint = _did_you_mean(text) if bare and nbytes < _SMALLEST_BARE else ""
     # "4090", 16 or 80: a GPU's model number or a size in GB, which a number without a unit would make bytes. A
     # number typed as text is refused under 1 MiB; one from code (an int: sizes nbmem itself passes on, a test's tiny
     # device) only under 1 KiB or where it names a preset
-    if (text.isdigit() and not isinstance(value, int) and nbytes < _SMALLEST_BARE) or (
-            isinstance(value, int) and (nbytes < 1024 or hint)):
+    if bare and ((nbytes < 1024 or bool(hint)) if isinstance(value, int) else nbytes < _SMALLEST_BARE):
         fix = (" Give a GPU preset, or a size with its unit such as '24GiB'" if hint else
                f" Give a size with its unit, e.g. '{text}GiB' or '{text}GB', or a GPU preset")
         raise ValueError(f"a capacity of {value!r} without a unit would be {nbytes} bytes, surely not meant."

@@ -413,4 +413,3 @@ def _check_checkpointing(checkpointing: Any) -> None:
         raise ValueError(f"checkpointing={checkpointing!r} is a string: pass {fix}")
     raise ValueError(f"checkpointing={checkpointing!r}: pass True (each repeated block), False, or a predicate that "
                      "takes a module and says whether to checkpoint it")
-

@@ -278,4 +278,3 @@ def standard_attention_path(network: nn.Module, notes: list[str]) -> Any:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(enabled)
-
