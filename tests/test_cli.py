@@ -355,7 +355,7 @@ def test_version_prints_the_package_version(capsys):
 
 
 def test_backend_choices_match_the_scope():
-    from nbmem.tracking.scope import BACKENDS
+    from nbmem.tracking.backends import BACKENDS
 
     assert cli.BACKEND_CHOICES == BACKENDS
 

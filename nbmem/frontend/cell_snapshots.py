@@ -14,7 +14,7 @@ from typing import Any
 
 from ..core.results import MemoryResult
 from ..tracking.history import AllocatorHistory
-from ..tracking.scope import resolve_backend
+from ..tracking.backends import resolve_backend
 
 __all__ = ["records_history", "records_pytorch_history", "start_history", "write_cell_snapshot"]
 

@@ -18,7 +18,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
     raise ImportError("nbmem.LightningMemoryCallback is a Lightning Callback: pip install lightning") from error
 
 from ..core.results import History
-from ..tracking.scope import Backend
+from ..tracking.backends import Backend
 from .step_meter import StepMeter
 
 __all__ = ["LightningMemoryCallback"]

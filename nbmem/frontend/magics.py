@@ -23,7 +23,8 @@ from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..tracking.history import AllocatorHistory
 from ..core.rendering import first_line
 from ..core.results import History, MemoryResult
-from ..tracking.scope import Backend, MemoryScope, resolve_backend
+from ..tracking.backends import Backend, resolve_backend
+from ..tracking.scope import MemoryScope
 from .live_gauge import CELL_DELAY, LiveGauge, capacity_of, virtual_label
 from .options import ACTIONS, read_options
 from .session import EveryCell, EveryCellHooks, Session, stop_gauge

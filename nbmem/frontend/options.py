@@ -18,7 +18,7 @@ from pathlib import Path
 
 from IPython.core.error import UsageError
 
-from ..tracking.scope import BACKENDS, ENGINES, native_engine, resolve_backend
+from ..tracking.backends import BACKENDS, ENGINES, native_engine, resolve_backend
 
 __all__ = ["ACTIONS", "ACTION_OPTIONS", "read_options", "parse_options", "unsilenced", "option_names", "refuse_unused",
            "check_snapshot_path"]

@@ -44,7 +44,7 @@ __all__ = [
     "SETUP_TIMEOUT",
 ]
 
-#: Same names as nbmem.tracking.scope.BACKENDS, repeated so that parsing the command
+#: Same names as nbmem.tracking.backends.BACKENDS, repeated so that parsing the command
 #: line does not import torch (tests/test_cli.py checks that they agree).
 BACKEND_CHOICES = ("auto", "measured", "cuda", "tracked")
 

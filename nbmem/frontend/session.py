@@ -19,7 +19,8 @@ from ..core.rendering import first_line
 from ..core.results import History, MemoryResult
 from ..tracking.diagnosis import diagnose, is_out_of_memory
 from ..tracking.history import AllocatorHistory
-from ..tracking.scope import Backend, Engine, MemoryScope, resolve_backend
+from ..tracking.backends import Backend, Engine, resolve_backend
+from ..tracking.scope import MemoryScope
 from . import display
 from .cell_snapshots import records_history, start_history, write_cell_snapshot
 from .cells import _cell_expects_compiled, _is_nbmem_cell

@@ -22,7 +22,8 @@ from typing import Any
 
 from ..core.results import History, MemoryResult
 from ..core.units import format_bytes
-from ..tracking.scope import Backend, MemoryScope
+from ..tracking.backends import Backend
+from ..tracking.scope import MemoryScope
 
 __all__ = ["StepMeter"]
 

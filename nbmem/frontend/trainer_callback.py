@@ -31,7 +31,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
                       "(or nbmem[zoo])") from error
 
 from ..core.results import History
-from ..tracking.scope import Backend
+from ..tracking.backends import Backend
 from .step_meter import StepMeter
 
 __all__ = ["MemoryCallback"]

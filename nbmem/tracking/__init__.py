@@ -9,7 +9,8 @@ optimizer's step counters, host memory on a GPU (:mod:`.host_counters`);
 what they install and how it comes out again (:mod:`.installed`); attribution
 to categories and modules (:mod:`.categories`); the baseline walk of live
 tensors (:mod:`.live`); nestable scopes, the API of ``nbmem.measure`` and
-``nbmem.track`` (:mod:`.scope`); the timeline, out-of-memory diagnosis and
+``nbmem.track`` (:mod:`.scope`), and how a block is measured, the backend and engine it resolves to
+(:mod:`.backends`); the timeline, out-of-memory diagnosis and
 reclaiming what failed cells hold (:mod:`.timeline`, :mod:`.diagnosis`,
 :mod:`.reclaim`); compiled code in a block, seen and guessed (:mod:`.compiled`). Built on :mod:`nbmem.core` only.
 """

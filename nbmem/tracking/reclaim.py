@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .accelerators import device_counter
-from .scope import resolve_backend
+from .backends import resolve_backend
 from .tracker import default_tracker
 from ..core.units import format_bytes
 

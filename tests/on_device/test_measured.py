@@ -15,7 +15,7 @@ import _testdevice
 import nbmem
 from nbmem.core.units import format_bytes
 from nbmem.tracking.accelerators import DeviceCounter, device_counter
-from nbmem.tracking.scope import resolve_backend
+from nbmem.tracking.backends import resolve_backend
 
 DEVICE = torch.device(_testdevice.NAME, 0)
 accelerator = torch.accelerator
