@@ -104,7 +104,7 @@ def test_profile_lists_every_cell_writes_output_and_fits_budget(tmp_path, monkey
     assert table_row(out, 5).split()[-2:] == ["not", "measured"]  # a %gpumem command
     assert "tracked on cpu" in table_row(out, 6)
     # 4194304 + 1024 = 4195328 bytes in use after cell [3]
-    assert f"overall peak: 4.00 MiB in use ({FOUR_MIB + ONE_KIB} bytes) at cell [3]" in out
+    assert f"overall peak: 4.00 MiB allocated ({FOUR_MIB + ONE_KIB} bytes) at cell [3]" in out
     assert "within budget" in out and "1073741824 bytes" in out
     assert err.count("nbmem profile:") == 0
 
@@ -139,7 +139,7 @@ def test_failing_cell_exits_1_names_it_and_still_reports(tmp_path, capsys):
     assert "+4.00 MiB" in table_row(out, 2)
     assert "FAILED (ZeroDivisionError)" in table_row(out, 2)
     assert "not run after the failure: [3]" in out
-    assert f"overall peak: 4.00 MiB in use ({FOUR_MIB} bytes) at cell [2]" in out
+    assert f"overall peak: 4.00 MiB allocated ({FOUR_MIB} bytes) at cell [2]" in out
     assert "cell [2] failed: ZeroDivisionError: division by zero (first line: a = torch.zeros(1024, 1024))" in err
     assert "----> 2 ratio = 1 / 0" in err  # the traceback, without terminal colours
     assert "\x1b[" not in err
@@ -256,7 +256,7 @@ def test_console_script_runs_as_a_module(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "+4.00 MiB" in table_row(done.stdout, 2)
     # 4 MiB is at the budget, not over it
-    assert f"overall peak: 4.00 MiB in use ({FOUR_MIB} bytes) at cell [2], tracked on cpu" in done.stdout
+    assert f"overall peak: 4.00 MiB allocated ({FOUR_MIB} bytes) at cell [2], tracked on cpu" in done.stdout
 
 
 def test_backend_cuda_without_a_gpu_is_a_usage_error(tmp_path, capsys):

@@ -46,7 +46,7 @@ def test_runs_and_prints_the_arithmetic(nb09: nbformat.NotebookNode) -> None:
     cache = output_of(nb09, "generation = ")
     per_token = 32 * 2 * 32 * 128 * 2  # layers x (keys, values) x heads x head_dim x bf16 bytes = 524,288
     assert f"KV cache per token of context: {per_token:,} B" in cache
-    assert f"({per_token:,} B for the whole batch)" in cache and "gpumem generate estimate (estimated" in cache
+    assert f"per position for the whole batch ({per_token:,} B, " in cache and "gpumem generate estimate (estimated" in cache
 
 
 def test_verdicts_follow_the_printed_estimates(nb09: nbformat.NotebookNode) -> None:

@@ -72,7 +72,7 @@ def test_generate_estimate_equals_a_tracked_run_of_the_same_loop(build, per_toke
     assert estimated.first_step == estimated.steady == estimated.peak and estimated.optimizer == "none"
     text = str(estimated)
     assert text.startswith("gpumem generate estimate (estimated on fake tensors")
-    assert f"({per_token:,} B for the whole batch)" in text and "kv cache" in text
+    assert f"per position for the whole batch ({per_token:,} B, " in text and "kv cache" in text
 
 
 def test_generate_against_transformers_own_generate_tracked():

@@ -183,8 +183,9 @@ def test_the_callback_records_each_step(tmp_path):
     highest = max(steps, key=lambda result: result.peak)
     alike = sum(result.peak == highest.peak for result in steps) - 1
     assert callback.summary() == (
-        f"gpumem: 3 training steps tracked on cpu; the most in use, {nbmem.format_bytes(most.peak_allocated)}, at "
-        f"{most.label}; the largest rise above a step's start, {nbmem.format_bytes(highest.peak)}, at {highest.label}"
+        f"gpumem: 3 training steps tracked on cpu; the highest peak, {nbmem.format_bytes(most.peak_allocated)} "
+        f"allocated, at {most.label}; the largest rise above a step's start, {nbmem.format_bytes(highest.peak)} "
+        f"allocated, at {highest.label}"
         + (f" (as in {alike} more)" if alike else "") + "; callback.history has each")
     assert most.label != "training step 1"  # the first step's peak comes before its optimizer state is all there
 

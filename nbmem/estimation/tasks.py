@@ -250,9 +250,10 @@ def task_lines(result: Any) -> list[str]:
     ]
     if result.task == "generate" and result.kv_cache is not None:
         lines.append(
-            f"  KV cache         {format_bytes(result.kv_cache)} for {result.prompt_length + result.new_tokens - 1} "
-            f"positions x batch {result.batch_size}: {format_bytes(result.kv_cache_per_token)} per token of context "
-            f"({result.kv_cache_per_token:,} B for the whole batch)"
+            f"  KV cache         {format_bytes(result.kv_cache)} at the end, {result.prompt_length + result.new_tokens - 1} "
+            f"positions x batch {result.batch_size}: {format_bytes(result.kv_cache_per_token)} per position for the whole "
+            f"batch ({result.kv_cache_per_token:,} B, {format_bytes(result.kv_cache_per_token // result.batch_size)} a "
+            "sequence)"
         )
     return lines
 

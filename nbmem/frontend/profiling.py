@@ -211,7 +211,7 @@ class NotebookProfile:
             lines.append("overall peak: no cell was measured")
         else:
             lines.append(
-                f"overall peak: {format_bytes(peak.result.peak_allocated)} in use"
+                f"overall peak: {format_bytes(peak.result.peak_allocated)} allocated"
                 f" ({peak.result.peak_allocated} bytes) at cell [{peak.number}], {peak.result.mode}"
                 f" on {peak.result.device}"
             )

@@ -60,9 +60,9 @@ class StepMeter:
         most = max(results, key=lambda result: result.peak_allocated)
         highest = max(results, key=lambda result: result.peak)
         alike = sum(result.peak == highest.peak for result in results) - 1
-        return (f"gpumem: {len(results)} {self.what} {most.mode} on {most.device}; the most in use, "
-                f"{format_bytes(most.peak_allocated)}, at {most.label}; the largest rise above a step's start, "
-                f"{format_bytes(highest.peak)}, at {highest.label}" + (f" (as in {alike} more)" if alike else "")
+        return (f"gpumem: {len(results)} {self.what} {most.mode} on {most.device}; the highest peak, "
+                f"{format_bytes(most.peak_allocated)} allocated, at {most.label}; the largest rise above a step's start, "
+                f"{format_bytes(highest.peak)} allocated, at {highest.label}" + (f" (as in {alike} more)" if alike else "")
                 + "; callback.history has each")
 
     def close(self) -> None:
