@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import nbmem
 from nbmem.core.results import CATEGORIES
+from nbmem.tracking.categories import hooks_disable_wrapped
 from nbmem.tracking.scope import MemoryScope
 from nbmem.tracking.tracker import Tracker
 
@@ -130,7 +131,41 @@ def test_no_hook_or_mode_left_behind_even_after_an_error(error):
     assert not nn_module._global_parameter_registration_hooks and not nn_module._global_buffer_registration_hooks
     assert not optim_module._global_optimizer_pre_hooks and not optim_module._global_optimizer_post_hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    assert not hooks_disable_wrapped()
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+@pytest.mark.parametrize("engine", ["dispatch", "native"])
+def test_torch_func_transforms_run_under_a_tracker_as_without(engine):
+    """torch.func's grad refuses to run while saved-tensors hooks are pushed; nbmem's must not make it fail."""
+    if engine == "native":
+        pytest.importorskip("nbmem.tracking.native")
+        from nbmem.tracking.native import available
+
+        if not available():
+            pytest.skip("no C++ compiler for the native engine")
+    loss = lambda x: (x.sin() * x).sum()  # noqa: E731
+    x = torch.randn(1024)
+    expected = torch.func.grad(loss)(x)
+    with nbmem.track(engine=engine) as scope:
+        got = torch.func.grad(loss)(x)
+        hessian = torch.func.jacrev(torch.func.grad(loss))(x[:8])
+        with torch.autograd.graph.disable_saved_tensors_hooks("the user's own message"):
+            plain = torch.ones(4, requires_grad=True)
+            (plain * plain).sum().backward()
+        assert hooks_disable_wrapped()
+        y = torch.randn(256, 256, requires_grad=True)  # 256 * 256 * 4 = 262144
+        product = y.sin() * y  # saves y and sin(y): both activations, the hooks on again
+    assert torch.equal(got, expected) and hessian.shape == (8, 8)
+    assert not hooks_disable_wrapped()
+    if engine == "dispatch":
+        assert dict(scope.result.breakdown.after)["activation"] == 2 * 262144  # y and sin(y), saved by the mul
+    del product
+    # a hook of the user's own still makes torch.func refuse, as it does untracked
+    with nbmem.track(engine=engine):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+                torch.func.grad(loss)(x)
 
 
 def test_virtual_capacity_raises_out_of_memory_in_pytorchs_words():
@@ -193,3 +228,28 @@ def test_gradients_of_a_backward_in_a_scope_of_its_own_are_gradients():
         model.weight.grad.mul_(2)  # a gradient made before the scope is still one
     assert dict(scope.result.breakdown.after)["gradient"] - before["gradient"] == 262144 + 1024
     del loss
+
+
+def test_another_threads_module_calls_are_not_this_blocks_modules():
+    """The module hooks are global: a background thread's forward, open while the block allocates, named the block's
+    allocations after its own module (seen: a foreground step's activations charged to another thread's model)."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Background(nn.Module):
+        def forward(self, x):
+            entered.set()
+            release.wait(timeout=60)
+            return x
+
+    background, its_input = Background(), torch.zeros(1)
+    with fresh(breakdown=True) as scope:
+        thread = threading.Thread(target=background, args=(its_input,))
+        thread.start()
+        assert entered.wait(timeout=60)
+        made = torch.ones(256, 1024)  # 1 MiB, outside any module of this thread
+        release.set()
+        thread.join()
+    assert dict(scope.result.breakdown.modules_at_peak) == {"(outside modules)": MiB}
+    del made

@@ -38,6 +38,7 @@ from nbmem.tracking.tracker import default_tracker
 pytestmark = pytest.mark.interrupts  # skipped under coverage; .ci/run runs them without it (tests/conftest.py)
 MiB = 1024**2
 ORIGINAL_RESIZE = torch.UntypedStorage.resize_  # torch's own, read while nothing tracks
+ORIGINAL_HOOKS_DISABLE = torch._C._autograd._saved_tensors_hooks_disable  # the same
 NBMEM = os.path.dirname(nbmem.__file__) + os.sep
 GLOBAL_HOOKS = (
     "_global_forward_pre_hooks",
@@ -76,6 +77,8 @@ def leftovers(model: torch.nn.Module) -> list[str]:
             found.append(name)
     if torch._C._autograd._top_saved_tensors_default_hooks(True) is not None:
         found.append("saved-tensor hooks")
+    if torch._C._autograd._saved_tensors_hooks_disable is not ORIGINAL_HOOKS_DISABLE:
+        found.append("torch._C._autograd._saved_tensors_hooks_disable (nbmem.tracking.categories)")
     if torch.UntypedStorage.resize_ is not ORIGINAL_RESIZE:
         found.append("UntypedStorage.resize_")
     if any(parameter._post_accumulate_grad_hooks for parameter in model.parameters()):

@@ -619,3 +619,33 @@ def test_a_tracked_block_that_ran_layers_cudnn_would_run_says_what_they_add_on_a
     with nbmem.track("cpu", engine=engine) as after:  # the layers ran before this block, not in it
         pass
     assert not {RNN_NOTE, CONV_NOTE} & set(after.result.notes)
+
+
+class _WorkerState(torch.utils.data.Dataset):
+    """Each item: what of a tracker the worker process that made it found installed (modes, module hooks, saved hooks)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        from torch.nn.modules import module as nn_module
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+        saved = torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+        return torch.tensor([len(_get_current_dispatch_mode_stack()), len(nn_module._global_forward_hooks), int(saved)])
+
+
+@pytest.mark.parametrize("engine", ["dispatch", "native"])
+def test_a_dataloader_worker_forked_in_a_tracked_block_runs_without_the_tracker(engine):
+    """A fork copies the tracker's mode, hooks and allocator: a worker took them out (7x slower, and a virtual
+    capacity's out-of-memory error from a stale copy of the parent's counters, before)."""
+    if engine == "native":
+        from nbmem.tracking.native import available
+
+        if not available():
+            pytest.skip("no C++ compiler for the native engine")
+    loader = torch.utils.data.DataLoader(_WorkerState(), batch_size=2, num_workers=2,
+                                         multiprocessing_context="fork")
+    with nbmem.track("cpu", engine=engine, capacity="1GiB" if engine == "dispatch" else None):
+        states = torch.cat(list(loader))
+    assert states.tolist() == [[0, 0, 0]] * 4

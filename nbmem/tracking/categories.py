@@ -20,6 +20,7 @@ it, whatever the cell does. It tells the tracker:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Protocol
 
@@ -45,7 +46,8 @@ class Accounts(Protocol):
 
     def module_of(self, tensor: torch.Tensor) -> str | None: ...
 
-__all__ = ["Attribution", "top_level", "BACKWARD", "global_hooks", "remove_global_hooks", "saved_tensors_hooks_installed"]
+__all__ = ["Attribution", "top_level", "BACKWARD", "global_hooks", "remove_global_hooks", "saved_tensors_hooks_installed",
+           "hooks_disable_wrapped"]
 
 BACKWARD = "(backward)"
 
@@ -119,12 +121,14 @@ class Attribution:
     def __init__(self, tracker: Accounts) -> None:
         self.tracker = tracker
         self._running: list[str | None] = []  # top-level module of each forward in progress
+        self._thread = threading.get_ident()  # the thread whose module calls are followed (install's)
         self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         # parameters that may carry this attribution's post-accumulate-grad
         # hook, noted *before* the hook is registered, so remove() finds it
         self._hooked: dict[int, weakref.ref[torch.Tensor]] = {}
         self._stepping: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers inside step()
         self._saved = False  # set before pushing the saved-tensors hooks, for the same reason
+        self._alone = False  # whether every saved-tensors hook below this one's, when pushed, was nbmem's
         #: Told the top-level module running after each module call begins or ends
         #: (the native engine labels allocations with it in C++); None: nobody asks.
         self.module_changed: Any = None
@@ -136,12 +140,17 @@ class Attribution:
 
     def install(self) -> None:
         """Install every hook; when interrupted, :meth:`remove` takes out what got in."""
+        self._thread = threading.get_ident()  # module calls are followed on this thread only
         nn_module.register_module_forward_pre_hook(self._on_forward)
         nn_module.register_module_forward_hook(self._on_forward_end, always_call=True)
         nn_module.register_module_parameter_registration_hook(self._on_parameter)
         nn_module.register_module_buffer_registration_hook(self._on_buffer)
         optim_module.register_optimizer_step_pre_hook(self._on_step_begin)
         optim_module.register_optimizer_step_post_hook(self._on_step_end)
+        below = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        owner = None if below is None else _owner_of(below[0])
+        self._alone = below is None or (owner is not None and owner._alone)
+        _let_nbmems_hooks_be_disabled()
         self._saved = True
         torch._C._autograd._push_saved_tensors_default_hooks(self._pack, _unpack)
 
@@ -150,6 +159,8 @@ class Attribution:
         if self._saved:
             _remove_saved_tensors_hooks(self)
             self._saved = False
+        if not saved_tensors_hooks_installed():  # no other tracker's (an outer scope's) left on top
+            _restore_hooks_disable()
         remove_global_hooks(self.tracker)
         for key, ref in list(self._hooked.items()):
             parameter = ref()
@@ -189,6 +200,8 @@ class Attribution:
     def _on_forward(self, module: torch.nn.Module, args: Any) -> None:
         if _compiling():
             return  # torch.compile traces module calls with their global hooks: nbmem's stay out of its graph
+        if threading.get_ident() != self._thread:
+            return  # the hooks are global: another thread's model (a background thread's) is not this block's
         kind = cudnn_kind(module)
         if kind is not None:
             self.cudnn_calls[kind] = self.cudnn_calls.get(kind, 0) + 1
@@ -234,7 +247,7 @@ class Attribution:
             self.tracker.classify(parameter.grad, "gradient", owner)
 
     def _on_forward_end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _compiling():
+        if _compiling() or threading.get_ident() != self._thread:
             return
         if self._running:
             self._running.pop()
@@ -328,6 +341,38 @@ def _remove_saved_tensors_hooks(attribution: Attribution) -> None:
     finally:
         for pack, unpack in reversed(above):
             torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+# -- code that turns saved-tensors hooks off --------------------------------------------------------------------------
+# torch.func's grad, vjp, jacrev and hessian (torch/_functorch/vmap.py: doesnt_support_saved_tensors_hooks), and anyone's
+# torch.autograd.graph.disable_saved_tensors_hooks, call torch._C._autograd._saved_tensors_hooks_disable(message), which
+# raises that message when any hooks are pushed: under a tracker, nbmem's were, and the user's code failed only because
+# it was tracked. While nbmem's hooks are in, that function is wrapped: when every hook pushed is nbmem's, it turns them
+# off without failing (fail_if_non_empty=False, as aot_autograd's own runtime does), and the tensors autograd saves
+# there count as "other" rather than "activation". With a hook of anyone else's pushed, torch's own check decides.
+
+_DISABLE = torch._C._autograd._saved_tensors_hooks_disable
+
+
+def _disable_unless_only_nbmems(message: str, fail_if_non_empty: bool = True) -> None:
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    owner = None if top is None else _owner_of(top[0])
+    if owner is not None and owner._alone:
+        fail_if_non_empty = False
+    _DISABLE(message, fail_if_non_empty)
+
+
+def hooks_disable_wrapped() -> bool:
+    """Whether torch's ``_saved_tensors_hooks_disable`` is nbmem's wrapper now (only while nbmem's hooks are in)."""
+    return torch._C._autograd._saved_tensors_hooks_disable is _disable_unless_only_nbmems
+
+
+def _let_nbmems_hooks_be_disabled() -> None:
+    torch._C._autograd._saved_tensors_hooks_disable = _disable_unless_only_nbmems
+
+
+def _restore_hooks_disable() -> None:
+    torch._C._autograd._saved_tensors_hooks_disable = _DISABLE
 
 
 # Dynamo compiles any Python frame that starts while a compiled region runs: a hook that autograd or a module
