@@ -346,3 +346,27 @@ def test_an_estimate_puts_a_recurrent_layers_weights_into_one_buffer_as_cuda_doe
     # the campaign's LSTM (fp32, AdamW): the reserve now fits in the rest of the flat buffer's 20 MiB segment, as on
     # the H100, whose reserved peak (campaign-run4-zoo.json: 54,525,952 B) it now equals; separate weights made 4 MiB more
     assert estimate(Sequence, batch, batch_size=8, optimizer="adamw", device="H100-80GB").reserved == 54_525_952
+
+
+def test_an_inference_estimate_says_the_weights_lie_in_one_flat_buffer():
+    """A bidirectional GRU's eight weights, 38,912 B rounded apart on the CPU, are one 38,400 B buffer on CUDA: the
+    inference estimate is 512 B below the tracked run, and says why."""
+    from torch import nn
+
+    import nbmem
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gru, self.head = nn.GRU(16, 32, batch_first=True, bidirectional=True), nn.Linear(64, 8)
+
+        def forward(self, x):
+            return self.head(self.gru(x)[0][:, -1])
+
+    make = lambda n: (torch.randn(n, 12, 16), torch.randint(0, 8, (n,)))  # noqa: E731
+    estimated = nbmem.estimate(Model, make, batch_size=2, task="inference")
+    tracked = nbmem.estimate(Model, make, batch_size=2, task="inference", mode="tracked")
+    # 2 directions x (3*32*16 + 3*32*32 + 2*3*32) floats = 9,600 x 4 B = 38,400 B in one buffer
+    assert tracked.peak - estimated.peak == 512
+    assert any("one flat buffer" in note for note in estimated.notes)
+    assert not any("one flat buffer" in note for note in tracked.notes)

@@ -553,3 +553,34 @@ def test_a_batch_dict_passes_plain_values_beside_its_tensors():
         estimate(_Flagged, lambda n: {"doubled": True}, batch_size=32)
     with pytest.raises(ValueError, match="returned dict"):
         estimate(_Flagged, lambda n: {"x": torch.randn(n, 64), "doubled": [True]}, batch_size=32)
+
+
+def test_a_sparse_gradient_is_estimated_as_tracked():
+    """nn.Embedding(sparse=True): the tracker counts a sparse gradient by its parts, whose _indices() and _values()
+    dispatched back into the estimate's fake mode and recursed without end (RecursionError) before."""
+    build = lambda: nn.Sequential(nn.Embedding(128, 32, sparse=True), nn.Flatten(), nn.Linear(6 * 32, 8))  # noqa: E731
+    make = lambda n: (torch.randint(0, 128, (n, 6)), torch.randint(0, 8, (n,)))  # noqa: E731
+    estimated = estimate(build, make, batch_size=2, optimizer="sgd")
+    tracked = estimate(build, make, batch_size=2, optimizer="sgd", mode="tracked")
+    assert estimated.peak == tracked.peak == 35840
+    # parameters: 128*32*4 = 16384, and 6*32*8*4 + 8*4 -> 6144 + 512 (each rounded to 512 B) = 23040
+    assert dict(estimated.breakdown.at_peak)["parameter"] == 23040
+    assert estimated.breakdown.at_peak == tracked.breakdown.at_peak
+    with pytest.raises(RuntimeError, match="Adam does not support sparse gradients"):
+        estimate(build, make, batch_size=2, optimizer="adamw")
+
+
+def test_adafactor_first_estimated_in_a_fresh_process_is_the_tracked_figure():
+    """transformers.optimization, first imported inside the estimate's modes, left 1,024 B of module-level tensors
+    (peft's layers' default arguments) counted as the step's memory, in whichever mode ran first."""
+    pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    step = "(lambda: torch.nn.Linear(32, 8, bias=False)), lambda n: (torch.randn(n, 32), torch.randint(0, 8, (n,)))"
+    figures = [f"nbmem.estimate({step}, batch_size=2, optimizer='adafactor', mode={mode!r}).peak"
+               for mode in ("estimated", "tracked")]  # the estimate first: transformers not yet imported
+    printed = subprocess.check_output([sys.executable, "-c", f"import torch, nbmem; print({', '.join(figures)})"],
+                                      text=True, timeout=600)
+    first, tracked = map(int, printed.split()[-2:])
+    assert first == tracked

@@ -250,6 +250,10 @@ def compile_unplanned(notes: list[str]) -> str | None:
     return missing
 
 
+#: What a task's step is called in messages.
+_STEP_NAMES = {"train": "training step", "inference": "inference pass", "generate": "generation"}
+
+
 def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..., Any] | None, plan: Plan,
                   timeline: bool = False) -> Estimate:
     """:func:`estimate` for a :class:`~nbmem.estimation.plan.Plan` already made (a sweep's, a search's)."""
@@ -341,7 +345,10 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             chosen = apply_precision_and_checkpointing(network, precision, plan.checkpointing, notes, block=plan.block,
                                                        saves=plan.checkpoint_saves)
             if rnn is not None:  # as CUDA puts a recurrent layer's weights into one buffer (fp16 weights' too)
-                rnn.flatten(network)
+                if rnn.flatten(network) and task != "train":  # a training step's notes say so, with cuDNN's model
+                    notes.append("recurrent layers: each one's weights in one flat buffer, as flatten_parameters() "
+                                 "lays them on an NVIDIA GPU for cuDNN (a run on the CPU keeps them apart, each rounded "
+                                 "to 512 B)")
             if (precision.endswith("-weights") or plan.quantized is not None) and feed is not None:
                 # a real loader puts the weights on the GPU in their own dtype (or quantized): the fp32 build and
                 # its cast, which only nbmem's copy of the model went through, never reach its allocator (issue 24)
@@ -437,7 +444,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         if step is not None:
             raise ValueError(fake_error_message(error, step)) from error
         raise ValueError(
-            f"the training step can't run on fake tensors: {fake_failure(error)}. Fake tensors have no values, so "
+            f"the {_STEP_NAMES.get(task, 'training step')} can't run on fake tensors: {fake_failure(error)}. Fake "
+            "tensors have no values, so "
             "code that reads them (.item(), .tolist(), nonzero, data-dependent shapes) can't be estimated: "
             "mode='tracked' runs the step for real on this CPU, every tensor accounted (or nbmem.track() around "
             "your own step)"

@@ -145,9 +145,11 @@ class FastKeyFakeTensorMode(FakeTensorMode):
         tracker = carried() if carried is not None else None
         if tracker is None or self._nbmem_inside:
             return self.dispatch(func, types, args, kwargs)
-        before_op(tracker, func, args, kwargs)
+        # inside from before_op on: what the tracker asks of a tensor there (a sparse gradient's _indices() and
+        # _values(), to count its parts) dispatches here again, and must not reach the tracker a second time
         self._nbmem_inside = True
         try:
+            before_op(tracker, func, args, kwargs)
             out = self.dispatch(func, types, args, kwargs)
         finally:
             self._nbmem_inside = False

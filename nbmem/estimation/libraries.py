@@ -19,7 +19,7 @@ def require_bitsandbytes(what: str) -> None:
 
 
 def library_module(name: str) -> Any:
-    """Import ``name`` (of bitsandbytes or torchao) outside every dispatch mode, untyped.
+    """Import ``name`` (of bitsandbytes, torchao or transformers) outside every dispatch mode, untyped.
 
     A library first imported inside an estimate's fake mode would keep fake
     tensors as its module-level constants (torchao's code maps), which later

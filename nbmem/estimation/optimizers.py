@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 
 from .low_bit import LOW_BIT, TORCHAO_OPTIM, low_bit_factory, torchao_note
+from .libraries import library_module
 
 __all__ = ["OPTIMIZERS", "HF_OPTIM", "known_optimizer", "library_optimizer", "optimizer_names", "optimizer_factory",
            "target_optimizer_kwargs", "OptimizerInBackward", "in_backward"]
@@ -29,7 +30,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 
 def adafactor(parameters: Any, **options: Any) -> Any:
     """transformers' Adafactor with the Trainer's own settings for ``optim="adafactor"``."""
-    from transformers.optimization import Adafactor
+    # imported outside the estimate's modes: a first import there (transformers.optimization imports peft's layers,
+    # whose default arguments are tensors) counted its module-level tensors as the step's memory, 1,024 B (seen)
+    Adafactor = library_module("transformers.optimization").Adafactor
 
     # transformers' trainer_optimizer.py: scale_parameter=False, relative_step=False, and a learning rate
     return Adafactor(parameters, scale_parameter=False, relative_step=False, lr=1e-3, **options)
