@@ -243,6 +243,19 @@ def test_sweep_puts_full_weights_beside_4bit_and_8bit():
         nbmem.sweep(llama, causal_lm_batch, batch_size=1, quantization=["nf4", "nf3"], progress=False)
 
 
+def test_a_sweep_over_compile_and_quantization_leaves_out_the_compiled_quantized_cell():
+    """compile=True is estimated unquantized only: the sweep runs the other cells (it stopped before any, before),
+    and a sweep with nothing else to run says why."""
+    build = lambda: nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))  # noqa: E731
+    make = lambda n: (torch.randn(n, 64), torch.randint(0, 8, (n,)))  # noqa: E731
+    table = nbmem.sweep(build, make, batch_size=4, trainable="head", compile=[False, True],
+                        quantization=[None, "int8"], progress=False)
+    assert [(row["quantization"], row["compile"]) for row in table.to_records()] == [
+        ("none", False), ("none", True), ("int8", False)]
+    with pytest.raises(ValueError, match="quantized layers are estimated eagerly"):
+        nbmem.sweep(build, make, batch_size=4, trainable="head", compile=True, quantization="int8", progress=False)
+
+
 def test_max_batch_size_takes_the_quantization():
     full = nbmem.max_batch_size(llama, causal_lm_batch, device="64MiB", trainable="lora", precision="bf16", progress=False)
     quantized = nbmem.max_batch_size(llama, causal_lm_batch, device="64MiB", trainable="lora", precision="bf16",

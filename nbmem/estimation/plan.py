@@ -199,7 +199,8 @@ class Plan:
                   "planned here)" if self.parallel != "single" else
                   "generation calls the model's generate(), which runs the module uncompiled: estimate one forward "
                   "with task='inference'" if self.task == "generate" else
-                  "quantized layers are estimated eagerly" if self.quantization is not None else "")
+                  "quantized layers are estimated eagerly (nbmem.track() around your own compiled step counts "
+                  "inductor's buffers, with its native engine)" if self.quantization is not None else "")
         if reason:
             raise ValueError(f"compile=True can't be estimated here: {reason}; leave compile out")
 

@@ -123,7 +123,9 @@ def sweep(
     model's attention implementation (see :func:`nbmem.estimate`).
     ``quantization`` is an axis too: ``[None, "nf4", "int8"]`` puts the
     weights as built beside QLoRA's 4-bit and 8-bit ones; and ``compile``:
-    ``[False, True]`` puts the eager step beside the ``torch.compile``'d one.
+    ``[False, True]`` puts the eager step beside the ``torch.compile``'d one
+    (compiled only where it can be estimated: the combinations with
+    ``parallel``, ``quantization`` or ``task="generate"`` are left out).
     ``timeline=True`` keeps each configuration's allocations (one process's:
     a launched data-parallel run keeps none): ``table.rows[i].result`` then
     plots them and writes them for PyTorch's memory viewer
@@ -182,15 +184,18 @@ def sweep(
                 attention=attention,
                 **_enforced(mode, capacity))
     seen = set()
+    uncompilable: dict[str, Any] | None = None
     for combination in itertools.product(*grid.values()):
         chosen = dict(zip(grid, combination))
         options = used_knobs(chosen)
         config = tuple(options.items())
         key = tuple((name, _shown(name, value)) for name, value in config)
-        if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen or \
-                (options["compile"] and options["parallel"] != "single"):
-            continue  # one device has no world size to vary; a task ran this configuration already; compile=True is
-            # estimated on one device
+        if options["compile"] and (options["parallel"] != "single" or options["quantization"] is not None
+                                   or options["task"] == "generate"):
+            uncompilable = options  # compile=True is estimated on one device, unquantized, one step
+            continue  # (Plan._check_compile), beside the configurations that can be
+        if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen:
+            continue  # one device has no world size to vary; a task ran this configuration already
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
         # the optimizer it names (a task that trains nothing shows 'none' and builds none)
         # what checkpointed blocks keep applies to the configurations that checkpoint
@@ -199,6 +204,8 @@ def sweep(
             kept["mp_policy"], kept["cpu_offload"] = None, False
         plans.append(Plan(**{**base, **kept}, **{**options, "optimizer": chosen["optimizer"]}))
         planned.append(config)
+    if not plans and uncompilable is not None:
+        Plan(**base, **{**uncompilable, "optimizer": chosen["optimizer"]})  # raises why compile=True can't be estimated
     shown_axes = [axis for axis in grid if len(grid[axis]) > 1] or ["batch_size"]
     title = f"gpumem sweep, {mode}" + (f" on {label}" if label else "")
     rows: list[SweepRow] = []
