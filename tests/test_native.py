@@ -8,6 +8,7 @@ nothing left installed, whatever Ctrl-C interrupts; the magic's option.
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import threading
@@ -129,6 +130,7 @@ def test_the_peak_of_a_training_step_is_the_allocators_own(mlp, one_thread):
 
 
 def test_a_transformer_step_is_counted_as_the_allocator_counts_it_and_explained(one_thread):
+    gc.collect()  # an earlier test's garbage, collected inside a block here, would be a free the oracle can't see
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
     model = nn.Sequential(nn.Embedding(100, 64), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(64, 100))
@@ -212,6 +214,7 @@ def test_an_estimate_inside_a_native_block_counts_nothing_and_warns_nothing():
     def make_batch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.randn(size, 256), torch.randint(0, 10, (size,))
 
+    gc.collect()  # an earlier test's garbage, collected during the estimate, would be this block's frees
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. "Accessing the data pointer of FakeTensor is deprecated"
         with native(breakdown=True) as scope:
