@@ -584,3 +584,15 @@ def test_adafactor_first_estimated_in_a_fresh_process_is_the_tracked_figure():
                                       text=True, timeout=600)
     first, tracked = map(int, printed.split()[-2:])
     assert first == tracked
+
+
+def test_a_factory_with_a_bug_of_its_own_raises_its_own_error():
+    """A constructor that fails on real tensors too (a shape mismatch) came back as nbmem's ValueError about fake
+    tensors; the real build's own error is raised as it is."""
+    def build():
+        layer = nn.Linear(64, 64)
+        torch.ones(3, 4) @ torch.ones(5, 6)  # the bug
+        return layer
+
+    with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(3x4 and 5x6\)"):
+        estimate(build, lambda n: (torch.randn(n, 64), torch.randint(0, 64, (n,))), batch_size=4, optimizer="sgd")

@@ -141,7 +141,7 @@ def _built(factory: Callable[[], Any], fake_mode: Any, device: torch.device, not
             raise
         why = fake_failure(error)
         _release_failed_build(error)
-        built = _built_with_empty_weights(factory, device, why)
+        built = _built_with_empty_weights(factory, device, why, error)
         notes.append(
             f"the model's constructor can't run on fake tensors ({why}): nbmem built it for real with its "
             "parameters and buffers on the meta device (as accelerate's init_empty_weights does), then made "
@@ -161,11 +161,15 @@ def _built(factory: Callable[[], Any], fake_mode: Any, device: torch.device, not
     return built.to(device) if device.type != "cpu" else built
 
 
-def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, why: str) -> nn.Module:
+def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, why: str,
+                              first: BaseException) -> nn.Module:
     """Build for real, parameters and buffers on "meta", then give each a fake tensor on ``device``.
 
     The construction runs outside every dispatch mode (the fake mode and the
     tracker): its temporaries are real and small, and not part of a step.
+    Where it fails as the fake build did (``first``'s type) and not for the
+    meta device (a bug of the factory's own, such as a shape mismatch), that
+    error is raised as it is, with the factory's own traceback.
     """
     from torch.nn.modules.module import (
         register_module_buffer_registration_hook,
@@ -187,6 +191,8 @@ def _built_with_empty_weights(factory: Callable[[], Any], device: torch.device, 
         with _disable_current_modes():
             built = factory()
     except Exception as error:
+        if type(error) is type(first) and "meta" not in str(error).lower():
+            raise  # not the fake tensors' nor the meta device's: the factory fails on real tensors too
         raise ValueError(
             f"the model's constructor can't run on fake tensors ({why}), and building it with its "
             f"parameters on the meta device failed too ({type(error).__name__}: {error}). Pass a model you built "
