@@ -47,9 +47,9 @@ def test_other_failures_are_left_as_they_are():
     def broken():
         raise RuntimeError("not bitsandbytes")
 
-    with pytest.raises(ValueError, match="RuntimeError: not bitsandbytes") as raised:
+    # the factory fails on real tensors too: its own error, as it is (nbmem's ValueError wrapped it until 2026-11-27)
+    with pytest.raises(RuntimeError, match="^not bitsandbytes$"):
         nbmem.estimate(broken, lambda n: torch.randn(n, 64), batch_size=4)
-    assert "bitsandbytes' quantized" not in str(raised.value)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed (an optional extra)")
