@@ -52,6 +52,25 @@ MODES = ("estimated", "tracked", "measured")
 #: fp32; bf16/fp16 autocast (fp16 with a GradScaler); pure bf16/fp16 weights.
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-weights", "fp16-weights")
 
+
+def compile_refusal(parallel: Any, task: str, quantization: Any) -> str:
+    """Why ``compile=True`` can't be estimated for a configuration, or ``""`` where it can.
+
+    Plan refuses such a configuration with it; a sweep over ``compile=[False, True]`` leaves its compiled cell out.
+
+    >>> compile_refusal("single", "train", None)
+    ''
+    >>> compile_refusal("fsdp", "train", None)[:40]
+    "parallel='fsdp' is estimated eagerly (FS"
+    """
+    return (f"parallel={parallel!r} is estimated eagerly (FSDP's and DDP's compiled graphs are not planned here)"
+            if parallel != "single" else
+            "generation calls the model's generate(), which runs the module uncompiled: estimate one forward "
+            "with task='inference'" if task == "generate" else
+            "quantized layers are estimated eagerly (nbmem.track() around your own compiled step counts "
+            "inductor's buffers, with its native engine)" if quantization is not None else "")
+
+
 @dataclass(frozen=True)
 class Plan:
     """Every knob of one step; :func:`nbmem.estimate` documents what each does.
@@ -195,12 +214,7 @@ class Plan:
                   "a measured run's breakdown tracker makes PyTorch run compiled code eagerly: estimate it "
                   "(mode='estimated'), or measure your own compiled step with %%gpumem or nbmem.measure(), which see "
                   "compiled code as it runs" if self.mode == "measured" else
-                  f"parallel={self.parallel!r} is estimated eagerly (FSDP's and DDP's compiled graphs are not "
-                  "planned here)" if self.parallel != "single" else
-                  "generation calls the model's generate(), which runs the module uncompiled: estimate one forward "
-                  "with task='inference'" if self.task == "generate" else
-                  "quantized layers are estimated eagerly (nbmem.track() around your own compiled step counts "
-                  "inductor's buffers, with its native engine)" if self.quantization is not None else "")
+                  compile_refusal(self.parallel, self.task, self.quantization))
         if reason:
             raise ValueError(f"compile=True can't be estimated here: {reason}; leave compile out")
 

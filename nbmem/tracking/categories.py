@@ -121,7 +121,7 @@ class Attribution:
     def __init__(self, tracker: Accounts) -> None:
         self.tracker = tracker
         self._running: list[str | None] = []  # top-level module of each forward in progress
-        self._thread = threading.get_ident()  # the thread whose module calls are followed (install's)
+        self._thread: int | None = None  # the thread whose module calls are followed: install()'s
         self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
         # parameters that may carry this attribution's post-accumulate-grad
         # hook, noted *before* the hook is registered, so remove() finds it

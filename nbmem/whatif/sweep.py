@@ -23,7 +23,7 @@ from .launcher import RankError, launch_plan
 from ..estimation.parallel import check_parallel, fsdp_family
 from .progress import Progress, check_progress
 from ..core.units import format_bytes
-from ..estimation.plan import Plan, run_device
+from ..estimation.plan import Plan, compile_refusal, run_device
 from ..tracking.accelerators import accelerator_type, current_device, device_counter
 
 __all__ = ["sweep", "Comparison", "SweepRow", "AXES", "used_knobs", "real_mode", "run_configuration", "MAX_LAUNCH_RANKS"]
@@ -190,10 +190,9 @@ def sweep(
         options = used_knobs(chosen)
         config = tuple(options.items())
         key = tuple((name, _shown(name, value)) for name, value in config)
-        if options["compile"] and (options["parallel"] != "single" or options["quantization"] is not None
-                                   or options["task"] == "generate"):
-            uncompilable = options  # compile=True is estimated on one device, unquantized, one step
-            continue  # (Plan._check_compile), beside the configurations that can be
+        if options["compile"] and compile_refusal(options["parallel"], options["task"], options["quantization"]):
+            uncompilable = options  # left out beside the configurations whose compiled step can be estimated
+            continue
         if (options["parallel"] == "single" and options["world_size"] != 1) or key in seen:
             continue  # one device has no world size to vary; a task ran this configuration already
         seen.add(key)  # by label: a PEFT config is not hashable, and labels are unique (checked above)
