@@ -115,7 +115,7 @@ def both_ways(step, **knobs):
     {"checkpointing": lambda module: isinstance(module, nn.Linear)},
     {"parallel": "ddp", "world_size": 4},
     {"parallel": "fsdp", "world_size": 4},
-], ids=lambda knobs: ",".join(f"{key}={value}" for key, value in knobs.items()) or "fp32")
+], ids=lambda knobs: ",".join(f"{key}={getattr(value, '__name__', value)}" for key, value in knobs.items()) or "fp32")
 def test_a_step_written_like_the_built_in_gives_its_figures_to_the_byte(knobs):
     built_in = estimate(build, make, batch_size=8, **knobs)
     mine = estimate(build, make, batch_size=8, step=like_the_built_in, **knobs)
