@@ -105,9 +105,9 @@ def _no_garbage_of_earlier_tests_is_young() -> None:
 
     Left there, a young collection inside a later test's tracked block frees it: a free the test did not make, and
     its exact baseline or retained figure is off by it. Which garbage waits depends on which tests ran before in
-    the same process, and with pytest-xdist (CI runs the suite on two workers) that differs from run to run
-    (test_track's exact Adam test failed after one order). A test that needs the oldest generation empty too
-    collects it itself (test_native's oracle tests)."""
+    the same process, and with pytest-xdist (CI runs the suite on two workers) that differs from run to run. A test
+    that needs the oldest generation empty too collects it itself (test_native's oracle tests); one that an earlier
+    test's storage held by C++ alone can upset runs in a process of its own (test_track's exact Adam test)."""
     gc.collect(1)
 
 
