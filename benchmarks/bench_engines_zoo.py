@@ -81,7 +81,7 @@ def main() -> None:
     print(f"{'model':16s} {'native (truth)':>15s} {'+ a Python mode':>16s} {'default engine':>15s}")
     for name, (_, _, vision) in ZOO.items():
         if vision:
-            continue  # timm and torchvision live in the zoo's second environment
+            continue  # timm and torchvision need the torch pair Binder's environment has (tests/test_binder.py)
         truth = _peak(name, "native", False, args.batch_size)
         moded = _peak(name, "native", True, args.batch_size)
         dispatch = _peak(name, "dispatch", False, args.batch_size)

@@ -27,7 +27,8 @@ def need(*modules: str, env: str) -> None:
         except ImportError as error:  # torchvision's CUDA wheels also fail with RuntimeError; that should fail loudly
             if os.environ.get(env) == "1":
                 pytest.fail(f"{env}=1 but {name} can't be imported: {error}")
-            pytest.skip(f"{name} is not installed ({error}); the zoo's CI run installs it")
+            pytest.skip(f"{name} is not installed ({error}); CI has it (timm and torchvision in Binder's environment, "
+                        "tests/test_binder.py)")
 
 
 VOCABULARY = 256

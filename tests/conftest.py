@@ -50,13 +50,36 @@ HEAVY = "NBMEM_HEAVY"
 collect_ignore = [] if os.environ.get("NBMEM_ON_DEVICE") == "1" else ["on_device"]
 
 
-#: The longest test module (Binder's environment: an install, then every notebook), run first: CI's two pytest-xdist
-#: workers (.ci/run) each take whole modules in this order, so one starts it while the other takes the rest
-FIRST = "tests/test_binder.py"
+#: The longest test modules, longest first, run before the rest: CI's two pytest-xdist workers (.ci/run) each take
+#: whole modules in this order, so one starts Binder's (an install, every notebook, the vision tests: about 16
+#: minutes) while the other takes the rest, and the last module either takes is a short one (in alphabetical order
+#: the zoo's and the what-ifs', 100 s each, came last). The order is by each module's seconds in a run of the
+#: README's test command on two workers (2026-11-28, this project's 2-core machine), heavy ones by CI's logs.
+LONGEST = (
+    "tests/test_binder.py",
+    "tests/test_notebooks_whatif.py",
+    "tests/test_site.py",
+    "tests/test_compiled.py",
+    "tests/test_whatif.py",
+    "tests/test_zoo.py",
+    "tests/test_interrupted_accounts.py",
+    "tests/test_qlora.py",
+    "tests/test_parallel.py",
+    "tests/test_browser.py",
+    "tests/test_progress.py",
+    "tests/test_finetune.py",
+    "tests/test_estimate.py",
+    "tests/test_notebook_07.py",
+    "tests/test_native.py",
+    "tests/test_cli.py",
+    "tests/test_reclaim.py",
+)
+_RANK = {module: rank for rank, module in enumerate(LONGEST)}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: item.nodeid.split("::")[0] != FIRST)  # stable: the rest keep their order
+    # stable: each module's tests keep their order, and the modules not named keep theirs after the longest
+    items.sort(key=lambda item: _RANK.get(item.nodeid.split("::")[0], len(LONGEST)))
     for item in items:
         if isinstance(item, pytest.DoctestItem) and item.name in SLOW_DOCTESTS:
             item.add_marker(pytest.mark.slow)

@@ -3,8 +3,10 @@
 mybinder.org installs ``binder/requirements.txt``, then runs ``binder/postBuild``
 from the repository's root. This test does the same in a new virtual
 environment, then executes every notebook under notebooks/ in that
-environment's own kernel. Then the built wheel and sdist are installed in
-turn into the same environment and must import and run.
+environment's own kernel, and the tests marked ``vision`` (timm and
+torchvision's models, notebook 08's figures), which need this environment's
+torch pair. Then the built wheel and sdist are installed in turn into the same
+environment and must import and run.
 
 The PyTorch CPU index the file names can't be reached from here (pip is told
 not to retry it), so pip takes torch 2.14.1 and torchvision 0.29.1 from this
@@ -18,6 +20,7 @@ mybinder.org.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -148,6 +151,32 @@ def test_every_notebook_runs_in_the_binder_environment(binder: dict) -> None:
     output = _run(["python", "-c", _EXECUTE, *NOTEBOOKS], binder["checkout"] / "notebooks", binder["environment"], 3600)
     print(output)
     assert all(f"{name} " in output for name in NOTEBOOKS)
+
+
+# The tests marked vision (timm and torchvision's models, notebook 08's figures), and the forked rank after an
+# estimate that this torch build broke (tests/test_fakemode.py): Binder's environment has the one torch pair
+# torchvision loads on (CI's own environment has the CPU torch 2.13.0), so they run here rather than in a third
+# environment with the same 5 GB of CUDA libraries (stop 43's CI installed it twice)
+_VISION = ["tests/test_zoo.py", "tests/test_notebook_08.py", "tests/test_finetune.py"]
+_FORKED = "tests/test_fakemode.py::test_a_forked_child_can_run_backward_after_an_estimate"
+
+
+def test_the_vision_tests_pass_in_the_binder_environment(binder: dict) -> None:
+    _run(["python", "-m", "pip", "install", "--quiet", "pytest>=7.4"], binder["checkout"], binder["environment"], 600)
+    environment = {
+        # only transformers, peft, timm and torchvision must be there: Binder has none of the other extras
+        **{key: value for key, value in binder["environment"].items() if not key.startswith("NBMEM_REQUIRE_")},
+        "NBMEM_REQUIRE_ZOO": "1",
+        "NBMEM_REQUIRE_VISION": "1",
+    }
+    command = ["python", "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "addopts="]
+    vision = _run([*command, "-m", "vision", *_VISION], binder["checkout"], environment, 2400)
+    print(vision[-2000:])
+    # every vision test ran and none skipped: a skip here would hide a library Binder lost
+    summary = vision.splitlines()[-1]
+    assert not re.search(r"skipped|failed|error", summary) and int(re.match(r"(\d+) passed", summary)[1]) >= 38, summary
+    forked = _run([*command, _FORKED], binder["checkout"], environment, 600).splitlines()[-1]
+    assert re.match(r"1 passed", forked) and "skipped" not in forked, forked
 
 
 @pytest.mark.parametrize("kind", ["wheel", "sdist"])

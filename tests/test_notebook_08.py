@@ -1,14 +1,14 @@
 """The real-models notebook (08): a Hugging Face Llama and a timm ResNet, run headlessly with nbclient.
 
-It needs transformers and timm, and timm imports torchvision, which only CI's
-second environment and the Binder environment have (.ci/run,
-binder/requirements.txt): elsewhere the notebook skips its ResNet parts and
-the tests that run it skip, unless NBMEM_REQUIRE_ZOO=1 / NBMEM_REQUIRE_VISION=1
-make a missing library a failure.
-The Binder test (tests/test_binder.py) runs it too, for errors only; here
-every figure it prints is checked: the estimate equal to the tracked run to
-the byte, and the bytes a Hugging Face loop holds by the arithmetic of its
-shapes. Timings are never compared.
+It needs transformers and timm, and timm imports torchvision, which CI has in
+the Binder environment only (binder/requirements.txt): elsewhere the notebook
+skips its ResNet parts and the tests that run it skip, unless
+NBMEM_REQUIRE_ZOO=1 / NBMEM_REQUIRE_VISION=1 make a missing library a failure.
+In CI, Binder's test (tests/test_binder.py) runs every notebook in that
+environment, then these tests there too, reading that run's outputs; here
+every figure the notebook prints is checked: the estimate equal to the tracked
+run to the byte, and the bytes a Hugging Face loop holds by the arithmetic of
+its shapes. Timings are never compared.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import nbformat
 import pytest
-from _notebooks import assert_committed_clean, execute, failed_cells, output_of, text
+from _notebooks import assert_committed_clean, executed, failed_cells, output_of, text
 from _zoo import need
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def nb08() -> nbformat.NotebookNode:
     need("transformers", env="NBMEM_REQUIRE_ZOO")
     need("timm", "torchvision", env="NBMEM_REQUIRE_VISION")
     if not _RUN:
-        _RUN["notebook"], _ = execute(PATH)
+        _RUN["notebook"] = executed(PATH)
     return _RUN["notebook"]
 
 

@@ -2,8 +2,9 @@
 
 The models are tiny configurations with random weights (tests/_zoo.py);
 nothing is downloaded. transformers and peft come with the ``zoo`` extra;
-timm and torchvision only in CI's second environment (torch 2.14.1 with
-torchvision 0.29.1, see .ci/run), whose run takes the tests marked ``vision``.
+timm and torchvision need torch 2.14.1 with torchvision 0.29.1, which CI has
+in Binder's environment: Binder's test runs the tests marked ``vision`` there
+(tests/test_binder.py).
 A missing library skips its tests, unless NBMEM_REQUIRE_ZOO=1 (transformers,
 peft) or NBMEM_REQUIRE_VISION=1 (timm, torchvision) says it must be there:
 then it fails.
