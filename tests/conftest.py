@@ -51,7 +51,8 @@ collect_ignore = [] if os.environ.get("NBMEM_ON_DEVICE") == "1" else ["on_device
 
 
 #: The longest test modules, longest first, run before the rest: CI's two pytest-xdist workers (.ci/run) each take
-#: whole modules in this order, so one starts Binder's (an install, every notebook, the vision tests: about 16
+#: whole modules in this order (--no-loadscope-reorder: by default xdist orders them by their number of tests), so one
+#: starts Binder's (an install, every notebook, the vision tests: about 16
 #: minutes) while the other takes the rest, and the last module either takes is a short one (in alphabetical order
 #: the zoo's and the what-ifs', 100 s each, came last). The order is by each module's seconds in a run of the
 #: README's test command on two workers (2026-11-28, this project's 2-core machine), heavy ones by CI's logs.
