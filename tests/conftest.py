@@ -64,6 +64,7 @@ LONGEST = (
     "tests/test_whatif.py",
     "tests/test_zoo.py",
     "tests/test_interrupted_accounts.py",
+    "tests/test_interrupted_estimates.py",
     "tests/test_qlora.py",
     "tests/test_parallel.py",
     "tests/test_browser.py",

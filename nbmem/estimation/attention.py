@@ -106,33 +106,23 @@ class FusedAttention(ScopedKernels):
         self._masking: Any = None  # transformers.masking_utils, while its checks are wrapped
         self._skip_wrapped = False  # whether its padding check is one of them (a transformers that has it)
 
-    def __enter__(self) -> FusedAttention:
-        entered: FusedAttention = super().__enter__()
-        try:
-            masking: Any = sys.modules.get("transformers.masking_utils")  # imported by any model that uses it
-            self._masking = masking  # first: an exit finds it whatever comes next
-            for name, wrapper in _CHECKS.items():
-                check = getattr(masking, name, None)
-                if check is not None and not _ours(check):  # ours already: one an interrupted exit left
-                    setattr(masking, name, functools.partial(wrapper, self, check))
-                    self._skip_wrapped |= wrapper is _mask_skip
-        except BaseException:  # Ctrl-C: no exit will come for an enter that did not return
-            self.__exit__()
-            raise
-        return entered
-
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            for name in _CHECKS:
-                wrapped: Any = getattr(self._masking, name, None)
-                if _ours(wrapped):
-                    setattr(self._masking, name, wrapped.args[1])
-            self._masking = None
-            self._seeds = []
-        finally:  # whatever line Ctrl-C lands on above, the kernels go (a wrapper left acts on fake tensors only)
-            super().__exit__(*exc_info)
+    def _undo(self) -> None:
+        for name in _CHECKS:
+            wrapped: Any = getattr(self._masking, name, None)
+            if _ours(wrapped):
+                setattr(self._masking, name, wrapped.args[1])
+        self._masking = None
+        self._seeds = []
+        super()._undo()
 
     def register(self, library: torch.library.Library) -> None:
+        masking: Any = sys.modules.get("transformers.masking_utils")  # imported by any model that uses it
+        self._masking = masking  # first: _undo finds it whatever comes next
+        for name, wrapper in _CHECKS.items():
+            check = getattr(masking, name, None)
+            if check is not None and not _ours(check):  # ours already: one an interrupted exit left
+                setattr(masking, name, functools.partial(wrapper, self, check))
+                self._skip_wrapped |= wrapper is _mask_skip
         library.impl("scaled_dot_product_attention", self._kernel, "AutogradCPU")
         # below autograd: the node it records saves the output as returned here
         library.impl("_scaled_dot_product_flash_attention_for_cpu", self._flash, "ADInplaceOrView")

@@ -184,9 +184,9 @@ class CudaAutocastPolicy(ScopedKernels):
         for name in passed:
             library.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
 
-    def _release(self) -> None:
+    def _undo(self) -> None:
         self._cache.clear()
-        super()._release()
+        super()._undo()
 
     @contextlib.contextmanager
     def region(self, device_type: str, dtype: torch.dtype) -> Iterator[None]:

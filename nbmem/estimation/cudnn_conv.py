@@ -141,14 +141,12 @@ class CudnnConv(ScopedKernels):
         # under torch.inference_mode() no autograd kernel runs: a convolution module's forward hook takes it there
         self._hook = torch.nn.modules.module.register_module_forward_hook(self._inference_forward)
 
-    def _release(self) -> None:
+    def _undo(self) -> None:
         # here, not in __exit__: a Ctrl-C after register() and before __enter__ returns releases too
-        try:
-            if self._hook is not None:
-                self._hook.remove()
-                self._hook = None
-        finally:
-            super()._release()
+        if self._hook is not None:
+            self._hook.remove()  # idempotent
+            self._hook = None
+        super()._undo()
 
     def _inference_forward(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         if isinstance(module, torch.nn.Conv2d) and torch.is_inference_mode_enabled() and args:

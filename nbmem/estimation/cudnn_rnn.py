@@ -336,9 +336,9 @@ class CudnnRNN(ScopedKernels):
         #: calls on fake tensors that cuDNN would run and this does not model, with why (each reason once)
         self.unmodelled: dict[str, None] = {}
 
-    def __exit__(self, *exc_info: object) -> None:
+    def _undo(self) -> None:
         self.dropout_state = None  # the estimate's process is over: so is its dropout state
-        super().__exit__(*exc_info)
+        super()._undo()
 
     def register(self, library: torch.library.Library) -> None:
         library.impl("lstm.input", self._lstm, "AutogradCPU")

@@ -314,6 +314,8 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
     planning = None
     rank = plan.rank if fake_mode is not None else real_rank(parallel)  # the plan checked an estimate's rank
     group = process_group(parallel, plan.world_size, fake=fake_mode is not None, device_type=run_on.type, rank=rank)
+    kernels: QuantizedKernels | None = None
+    fast_path: standard_attention_path | None = None
     try:
         # oneDNN's CPU kernels (an LSTM's, for one) keep workspaces their fake
         # versions don't model: estimate and tracked run both use the generic ones. Not
@@ -400,14 +402,15 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             if feed is not None:  # the first matmuls of the first step make them
                 feed.add(workspaces)
             watch = TrainedWatch(network, whole.tracker, trainable) if trainable is not None else None
-            kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else None
+            kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else kernels
             if kernels is not None:
                 follow_cuda(network)
             for rule in (policy, attention, dropout, rnn, conv, reductions, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN and convolutions, reductions, bitsandbytes
                 if rule is not None:
                     target_rules.enter_context(rule)
             if task != "train" and mode != "measured":
-                target_rules.enter_context(standard_attention_path(network, notes))
+                fast_path = standard_attention_path(network, notes)
+                target_rules.enter_context(fast_path)
             if not planned and (fake_mode is not None or (isinstance(optimizer, str) and optimizer in TORCHAO_OPTIM)):  # a tracked torchao optimizer too
                 # torch.compile'd code runs its own Python: Dynamo would compile under FakeTensorMode (an infra
                 # mode) and inductor's kernels would then read fake tensors' memory (a dead process, issue 23).
@@ -455,6 +458,13 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
         if message is None:
             raise
         raise ValueError(message) from error
+    finally:
+        # Ctrl-C on the very entry of an __exit__, where nothing in it can catch one, leaves what that context
+        # changed: each is released again here (idempotent; tests/test_interrupted_estimates.py)
+        for entered in (policy, attention, dropout, rnn, conv, reductions, kernels, fast_path, unscanned, group):
+            release = getattr(entered, "release", None)
+            if release is not None:
+                release()
     if policy is not None:
         notes.append(
             f"autocast follows CUDA's op lists (aten/src/ATen/autocast_mode.cpp, torch {torch.__version__.split('+')[0]}) "

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["ScopedKernels", "calls_per_step"]
+__all__ = ["OneAtATime", "ScopedKernels", "calls_per_step"]
 
 
 def calls_per_step(calls: int, steps: int, what: str) -> str:
@@ -38,15 +38,56 @@ def calls_per_step(calls: int, steps: int, what: str) -> str:
     return f"{per_step} {what} call{'s' if per_step != 1 else ''} per step (recomputed ones and micro-batches too)"
 
 
-class ScopedKernels:
-    """Kernels registered in ``register(library)`` while the context is active (see the module's docstring)."""
+#: held for the instant a context checks and takes its class's place, never across an estimate
+_TAKING = threading.Lock()
 
-    #: One lock per subclass (made in __init_subclass__): one active instance of each at a time.
-    _active: ClassVar[threading.Lock] = threading.Lock()
+
+class OneAtATime:
+    """A context that changes process-wide state while it is active: one instance of each subclass at a time.
+
+    Ctrl-C can't leave one installed, or its class refused for the rest of the session: :meth:`release` undoes
+    everything idempotently and, cut short, finishes before it lets the interrupt through; an instance that holds
+    its class's place with nothing in (an entry cut short before its ``try``) is taken over by the next; and the one
+    window nothing inside can close, an interrupt on the very entry of ``__exit__``, is closed by the estimate that
+    entered it, which releases every context again on its way out (:func:`nbmem.estimation.estimate.estimate_plan`).
+    """
+
+    #: the instance that holds each subclass's place (set in __init_subclass__)
+    _holder: ClassVar[OneAtATime | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls._active = threading.Lock()
+        cls._holder = None
+
+    @property
+    def installed(self) -> bool:
+        """Whether any of this context's changes are in."""
+        raise NotImplementedError
+
+    def _take_place(self) -> None:
+        with _TAKING:
+            holder = type(self)._holder
+            if holder is not None and holder is not self and holder.installed:
+                raise RuntimeError(f"nbmem's {type(self).__name__} is already active in this process: one at a time")
+            type(self)._holder = self
+
+    def _undo(self) -> None:
+        """Each change undone, each step idempotent: a subclass undoes its own, then calls this, which gives the
+        place up."""
+        if type(self)._holder is self:
+            type(self)._holder = None
+
+    def release(self) -> None:
+        """Undo what entering did; idempotent. Ctrl-C while it runs: it finishes, then the interrupt goes on."""
+        try:
+            self._undo()
+        except BaseException:
+            self._undo()
+            raise
+
+
+class ScopedKernels(OneAtATime):
+    """Kernels registered in ``register(library)`` while the context is active (see the module's docstring)."""
 
     def __init__(self) -> None:
         self._library: Any = None
@@ -55,31 +96,32 @@ class ScopedKernels:
     def registered(self) -> bool:
         return self._library is not None
 
+    @property
+    def installed(self) -> bool:
+        return self.registered
+
     def register(self, library: torch.library.Library) -> None:
         """Register this context's kernels in ``library`` (aten, IMPL)."""
         raise NotImplementedError
 
     def __enter__(self) -> Any:
-        if not type(self)._active.acquire(blocking=False):
-            raise RuntimeError(f"nbmem's {type(self).__name__} is already active in this process: one at a time")
+        self._take_place()
         try:
             self._library = torch.library.Library("aten", "IMPL")
             with warnings.catch_warnings():
                 # "Overriding a previously registered kernel": that is the point, and it is undone on exit
                 warnings.simplefilter("ignore", UserWarning)
                 self.register(self._library)
+            return self  # inside the try: Ctrl-C on this line leaves nothing either (no __exit__ will come)
         except BaseException:
-            self._release()
+            self.release()
             raise
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._release()
+        self.release()
 
-    def _release(self) -> None:
-        try:
-            if self._library is not None:
-                self._library._destroy()  # every registration undone: PyTorch's own kernels again
-        finally:
+    def _undo(self) -> None:
+        if self._library is not None:
+            self._library._destroy()  # every registration undone, PyTorch's own kernels again (idempotent)
             self._library = None
-            type(self)._active.release()
+        super()._undo()

@@ -84,20 +84,33 @@ def per_device_batch(global_batch_size: Any, world_size: int, accumulation: int)
     return per_gpu
 
 
-@contextlib.contextmanager
-def process_group(parallel: str, world_size: int, *, fake: bool, device_type: str, rank: int = 0) -> Iterator[Any]:
-    """The process group a step runs in; yields the device mesh FSDP2 needs (None otherwise).
+class process_group:
+    """The process group a step runs in; entering it gives the device mesh FSDP2 needs (None otherwise).
 
     Estimating, nbmem makes PyTorch's fake process group (rank 0 of
-    ``world_size``; collectives do nothing) and removes it afterwards. A real
-    run must be inside its ranks' process group, as :func:`launch` makes it.
+    ``world_size``; collectives do nothing) and removes it afterwards: on
+    ``__exit__`` or, idempotent, on :meth:`release` (the estimate's own, after a
+    Ctrl-C on ``__exit__``'s very entry, where nothing in it can catch one). A
+    real run must be inside its ranks' process group, as :func:`launch` makes it.
     """
-    if parallel == "single":
-        yield None
-        return
-    import torch.distributed as dist
 
-    if fake:
+    def __init__(self, parallel: str, world_size: int, *, fake: bool, device_type: str, rank: int = 0) -> None:
+        self.parallel, self.world_size, self.fake, self.device_type, self.rank = parallel, world_size, fake, device_type, rank
+        self._made = False  # whether this made the fake group (so release() destroys it)
+        self._excepthook: Any = None
+
+    def __enter__(self) -> Any:
+        if self.parallel == "single":
+            return None
+        import torch.distributed as dist
+
+        if not self.fake:
+            if not dist.is_initialized() or dist.get_world_size() != self.world_size:
+                raise ValueError(
+                    f"a real run of {self.parallel!r} needs its {self.world_size} ranks in one process group: use "
+                    f"nbmem.launch(..., parallel={self.parallel!r}, world_size={self.world_size}), which starts them"
+                )
+            return _mesh(self.parallel, self.world_size, self.device_type)
         if dist.is_initialized():
             raise ValueError(
                 "estimating a data-parallel step makes its own (fake) process group, and this process already "
@@ -109,20 +122,28 @@ def process_group(parallel: str, world_size: int, *, fake: bool, device_type: st
 
         # init_process_group wraps sys.excepthook to prefix "[rank0]: " to tracebacks
         # (distributed_c10d.py), and destroying the group leaves it: one more prefix per estimate
-        excepthook = sys.excepthook
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+        self._excepthook = sys.excepthook
+        self._made = True  # before it: release() destroys the group however far init_process_group got
         try:
-            yield _mesh(parallel, world_size, device_type)
-        finally:
-            dist.destroy_process_group()
-            sys.excepthook = excepthook
-        return
-    if not dist.is_initialized() or dist.get_world_size() != world_size:
-        raise ValueError(
-            f"a real run of {parallel!r} needs its {world_size} ranks in one process group: use "
-            f"nbmem.launch(..., parallel={parallel!r}, world_size={world_size}), which starts them"
-        )
-    yield _mesh(parallel, world_size, device_type)
+            dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.world_size)
+            return _mesh(self.parallel, self.world_size, self.device_type)
+        except BaseException:  # no __exit__ comes for an __enter__ that did not return
+            self.release()
+            raise
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self._made:
+            import sys
+
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            sys.excepthook = self._excepthook
+            self._made = False  # last: cut short before it, a second release finishes
 
 
 def _mesh(parallel: str, world_size: int, device_type: str) -> Any:

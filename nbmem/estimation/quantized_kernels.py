@@ -47,12 +47,12 @@ import functools
 import importlib.util
 import logging
 import os
-import threading
 from typing import Any, Callable
 
 import torch
 
 from ..core.devices import COMPUTE_CAPABILITY, SM_COUNT
+from .kernels import OneAtATime
 
 __all__ = ["QuantizedKernels"]
 
@@ -62,11 +62,9 @@ FUSED_UP_TO = 4
 DEQUANTIZED_PAST = 1536
 
 
-class QuantizedKernels:
-    """While active, bitsandbytes' 4-bit and int8 matmuls on CPU tensors hold what their CUDA kernels hold."""
-
-    #: one active at a time in a process: the operators it stands in front of are process-wide
-    _active = threading.Lock()
+class QuantizedKernels(OneAtATime):
+    """While active, bitsandbytes' 4-bit and int8 matmuls on CPU tensors hold what their CUDA kernels hold (one
+    active at a time in a process: the operators it stands in front of are process-wide)."""
 
     def __init__(self, gpu: str | None) -> None:
         self.gpu = gpu if gpu in SM_COUNT else None
@@ -83,10 +81,12 @@ class QuantizedKernels:
             return rows <= self._floor
         return bool(self._choose(0, dtype, rows, out_features, in_features))
 
+    @property
+    def installed(self) -> bool:
+        return getattr(self, "_matmul", None) is not None or getattr(self, "_level", None) is not None
+
     def __enter__(self) -> QuantizedKernels:
-        if not QuantizedKernels._active.acquire(blocking=False) and _stand_ins_installed():
-            raise RuntimeError("nbmem's QuantizedKernels is already active in this process: one at a time")
-        # (held, nothing installed: an entry Ctrl-C cut short between the two left the lock; this one takes it over)
+        self._take_place()
         try:
             bitsandbytes: Any = importlib.import_module("bitsandbytes")  # untyped: its attributes are replaced
             self._module = bitsandbytes
@@ -99,21 +99,23 @@ class QuantizedKernels:
             # both stand-ins in one statement: Ctrl-C finds both or neither
             bitsandbytes.matmul_4bit, bitsandbytes.matmul = self._4bit, self._int8
             self._logger.setLevel(logging.ERROR)
+            return self  # inside the try: Ctrl-C on this line leaves nothing either (no __exit__ will come)
         except BaseException:  # Ctrl-C while entering: nothing of it stays
-            self.__exit__()
+            self.release()
             raise
-        return self
 
     def __exit__(self, *exc_info: object) -> None:
-        try:
-            if getattr(self, "_matmul", None) is not None:
-                self._module.matmul_4bit, self._module.matmul = self._matmul_4bit, self._matmul
-            level = getattr(self, "_level", None)
-            if level is not None:
-                self._logger.setLevel(level)
-        finally:
-            self._matmul = self._level = None
-            QuantizedKernels._active.release()
+        self.release()
+
+    def _undo(self) -> None:
+        if getattr(self, "_matmul", None) is not None:
+            self._module.matmul_4bit, self._module.matmul = self._matmul_4bit, self._matmul
+            self._matmul = None
+        level = getattr(self, "_level", None)
+        if level is not None:
+            self._logger.setLevel(level)
+            self._level = None
+        super()._undo()
 
     def _4bit(self, A: torch.Tensor, B: torch.Tensor, quant_state: Any, out: Any = None, bias: Any = None) -> Any:
         in_features = A.shape[-1]
@@ -159,15 +161,6 @@ class QuantizedKernels:
                          "int32 buffer of its output's size while it runs, counted from the matmul's start (CUDA makes "
                          "it after quantizing the input: at most that quantization's temporaries early; untested on CUDA)")
         return notes
-
-
-def _stand_ins_installed() -> bool:
-    """Whether bitsandbytes' matmuls are a QuantizedKernels' stand-ins now (an estimate is in its step)."""
-    import sys
-
-    bitsandbytes = sys.modules.get("bitsandbytes")
-    owner = getattr(getattr(bitsandbytes, "matmul_4bit", None), "__self__", None)
-    return isinstance(owner, QuantizedKernels)
 
 
 def _heuristic(gpu: str | None) -> tuple[Callable[..., bool] | None, int, int]:

@@ -264,18 +264,29 @@ FASTPATH_NOTE = ("inference: PyTorch's fast path for nn.TransformerEncoder and n
                  "estimated on the standard path, as in training; a real inference run on the fast path may take less")
 
 
-@contextlib.contextmanager
-def standard_attention_path(network: nn.Module, notes: list[str]) -> Any:
+class standard_attention_path:
     """nn.TransformerEncoder's and nn.MultiheadAttention's inference fast path turned off while an estimate runs, where
     the model has them: with a padding mask it makes a nested tensor, which neither fake tensors nor a tracked run
-    can describe (a fuzz of estimates against tracked runs found it crash both). PyTorch's setting as it was after."""
-    if not any(isinstance(module, (nn.TransformerEncoderLayer, nn.MultiheadAttention)) for module in network.modules()):
-        yield
-        return
-    enabled = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        notes.append(FASTPATH_NOTE)
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(enabled)
+    can describe (a fuzz of estimates against tracked runs found it crash both). PyTorch's setting as it was after,
+    put back by ``__exit__`` or, idempotent, by :meth:`release` (the estimate's own, after a Ctrl-C on
+    ``__exit__``'s very entry, where nothing in it can catch one)."""
+
+    def __init__(self, network: nn.Module, notes: list[str]) -> None:
+        self._applies = any(isinstance(module, (nn.TransformerEncoderLayer, nn.MultiheadAttention))
+                            for module in network.modules())
+        self._notes = notes
+        self._enabled: bool | None = None  # PyTorch's setting while this has it off
+
+    def __enter__(self) -> None:
+        if self._applies:
+            self._enabled = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            self._notes.append(FASTPATH_NOTE)
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self._enabled is not None:
+            torch.backends.mha.set_fastpath_enabled(self._enabled)
+            self._enabled = None

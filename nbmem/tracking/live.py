@@ -111,20 +111,26 @@ class older_objects_unscanned:
     ``yield``, where one could, and the freeze would outlive the block).
     """
 
+    _froze = False  # whether __enter__ froze: until it did, release() does nothing
+
     def __enter__(self) -> None:
-        self._froze = False
         if gc.get_freeze_count() == 0 and gc.isenabled():
             self._froze = True
             gc.freeze()
 
     def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give back what ``__enter__`` froze; idempotent, so that the estimate that entered it can release it again
+        after a Ctrl-C on ``__exit__``'s very entry, where nothing in it can catch one."""
         global _THAWS
         if self._froze:
-            self._froze = False
             try:
                 _THAWS += 1  # first: a walk must never trust the young generations once the thaw began
             finally:
                 gc.unfreeze()
+                self._froze = False  # last: cut short before it, a second release thaws (nothing) again
 
 
 def live_tensors(young: bool = False) -> list[torch.Tensor]:
