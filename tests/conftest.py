@@ -65,6 +65,7 @@ LONGEST = (
     "tests/test_zoo.py",
     "tests/test_interrupted_accounts.py",
     "tests/test_interrupted_estimates.py",
+    "tests/test_interrupted_qlora.py",
     "tests/test_qlora.py",
     "tests/test_parallel.py",
     "tests/test_browser.py",

@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import nbmem
 from nbmem.estimation import quantized_kernels  # noqa: F401  (its class is one of OneAtATime's)
 from nbmem.estimation.kernels import OneAtATime
-from _zoo import causal_lm_batch, llama, need
 from conftest import seeded
 from nbmem.tracking.installed import remove_every_tracker
 from test_interrupts import NBMEM, _interrupted_at, _Interrupter, run_traced
@@ -146,16 +145,13 @@ def tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 #: estimates that install different things: autocast's policy and a compute dtype; checkpointing; the
-#: inference path (PyTorch's fast path turned off); data parallelism's virtual process group; a quantized
-#: Hugging Face model
+#: inference path (PyTorch's fast path turned off); data parallelism's virtual process group (a quantized Hugging
+#: Face model: tests/test_interrupted_qlora.py)
 ESTIMATES: dict[str, Callable[[], Any]] = {
     "bf16 adamw": lambda: nbmem.estimate(mlp, mlp_batch, batch_size=8, precision="bf16"),
     "checkpointed encoder": lambda: nbmem.estimate(Encoder, tokens, batch_size=4, checkpointing=True),
     "inference": lambda: nbmem.estimate(Encoder, tokens, batch_size=4, task="inference"),
     "fsdp": lambda: nbmem.estimate(mlp, mlp_batch, batch_size=8, parallel="fsdp", world_size=2),
-    # a Hugging Face Llama (transformers' mask checks wrapped), quantized by bitsandbytes' own code (its stand-ins)
-    "qlora llama": lambda: nbmem.estimate(llama, causal_lm_batch, batch_size=1, trainable="lora", precision="bf16",
-                                          quantization="nf4"),
 }
 
 
@@ -219,10 +215,11 @@ def _interrupted_or_swallowed(target: int, run: Callable[[], Any]) -> bool:
 
 @pytest.mark.parametrize("name", list(ESTIMATES))
 def test_an_interrupt_at_any_line_of_an_estimate_leaves_nothing_behind(name: str) -> None:
-    if name == "qlora llama":
-        need("bitsandbytes", env="NBMEM_REQUIRE_QUANT")
-        need("transformers", "peft", env="NBMEM_REQUIRE_ZOO")
-    run = ESTIMATES[name]
+    check_interrupts(ESTIMATES[name], seeded(12), name)
+
+
+def check_interrupts(run: Callable[[], Any], count: int, seed: str) -> None:
+    """Interrupt ``run`` (an estimate) at the lines :func:`targets` chooses; nothing may be left after each."""
     expected = run()  # the first estimate imports and caches what later ones reuse
     before = _attributes()
     assert run() == expected
@@ -230,8 +227,7 @@ def test_an_interrupt_at_any_line_of_an_estimate_leaves_nothing_behind(name: str
     noisy = {key for key, (_, value) in before.items() if key in after and after[key][1] is not value}
     assert len(noisy) < 10, sorted(noisy)  # torch's own counters (meta_utils' DESCRIBER_NEXT_ID): not a patch
     left: dict[str, list[str]] = {}
-    # the quantized Llama's trials take 1.5 s each: its entries and exits only (the others' lines are its lines too)
-    for target, line in targets(run, 0 if name == "qlora llama" else seeded(12), name).items():
+    for target, line in targets(run, count, seed).items():
         watch = Watch()
         try:
             interrupted = _interrupted_or_swallowed(target, run)
