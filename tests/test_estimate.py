@@ -596,3 +596,39 @@ def test_a_factory_with_a_bug_of_its_own_raises_its_own_error():
 
     with pytest.raises(RuntimeError, match=r"mat1 and mat2 shapes cannot be multiplied \(3x4 and 5x6\)"):
         estimate(build, lambda n: (torch.randn(n, 64), torch.randint(0, 64, (n,))), batch_size=4, optimizer="sgd")
+
+
+def test_a_kernel_place_left_with_nothing_in_is_taken_over_on_its_own_thread_only():
+    """An entry Ctrl-C cut short before its try leaves its class's place held with nothing registered: the next
+    entry on the same thread takes it over; another thread's holder may be half-way into its entry, and is kept."""
+    import threading
+
+    from nbmem.estimation.kernels import ScopedKernels
+
+    class Nothing(ScopedKernels):
+        def register(self, library):
+            pass
+
+    left = Nothing()
+    left._take_place()  # what an interrupted __enter__ leaves
+    with Nothing() as active:
+        assert active.registered and Nothing._holder is active
+        with pytest.raises(RuntimeError, match="already active in this process"):
+            Nothing().__enter__()  # an installed holder is never taken over
+    assert Nothing._holder is None
+    left._take_place()
+    refused = []
+
+    def other_thread():
+        try:
+            Nothing().__enter__()
+        except RuntimeError as error:
+            refused.append(str(error))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join()
+    assert refused == ["nbmem's Nothing is already active in this process: one at a time"]
+    left.release()
+    assert Nothing._holder is None
+    left.release()  # idempotent

@@ -47,13 +47,15 @@ class OneAtATime:
 
     Ctrl-C can't leave one installed, or its class refused for the rest of the session: :meth:`release` undoes
     everything idempotently and, cut short, finishes before it lets the interrupt through; an instance that holds
-    its class's place with nothing in (an entry cut short before its ``try``) is taken over by the next; and the one
-    window nothing inside can close, an interrupt on the very entry of ``__exit__``, is closed by the estimate that
-    entered it, which releases every context again on its way out (:func:`nbmem.estimation.estimate.estimate_plan`).
+    its class's place with nothing in (an entry cut short before its ``try``) is taken over by the next on its
+    thread; and the one window nothing inside can close, an interrupt on the very entry of ``__exit__``, is closed
+    by the estimate that entered it, which releases every context again on its way out
+    (:func:`nbmem.estimation.estimate.estimate_plan`).
     """
 
     #: the instance that holds each subclass's place (set in __init_subclass__)
     _holder: ClassVar[OneAtATime | None] = None
+    _thread = 0  # the thread that took the place
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -66,9 +68,11 @@ class OneAtATime:
 
     def _take_place(self) -> None:
         with _TAKING:
-            holder = type(self)._holder
-            if holder is not None and holder is not self and holder.installed:
+            holder, thread = type(self)._holder, threading.get_ident()
+            # another thread's holder may be half-way into its entry: only this thread's own can be a Ctrl-C's leftover
+            if holder is not None and holder is not self and (holder.installed or holder._thread != thread):
                 raise RuntimeError(f"nbmem's {type(self).__name__} is already active in this process: one at a time")
+            self._thread = thread
             type(self)._holder = self
 
     def _undo(self) -> None:
