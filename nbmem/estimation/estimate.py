@@ -402,7 +402,7 @@ def estimate_plan(model: nn.Module | Callable[[], nn.Module], batch: Callable[..
             if feed is not None:  # the first matmuls of the first step make them
                 feed.add(workspaces)
             watch = TrainedWatch(network, whole.tracker, trainable) if trainable is not None else None
-            kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else kernels
+            kernels = QuantizedKernels(label) if mode != "measured" and quantized(network) else None
             if kernels is not None:
                 follow_cuda(network)
             for rule in (policy, attention, dropout, rnn, conv, reductions, kernels):  # CUDA's autocast lists, attention, dropout, cuDNN's RNN and convolutions, reductions, bitsandbytes
